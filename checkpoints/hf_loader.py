@@ -1,0 +1,150 @@
+"""Load Hugging Face Qwen3.5 safetensors checkpoints into `mtpjax.params.Params`.
+
+Accepts what Qwen ships (Qwen3.5-27B: `Qwen3_5ForConditionalGeneration`, sharded with
+`model.safetensors.index.json`, text under `model.language_model.*`, `lm_head.weight`,
+`mtp.*`, vision tower under `model.visual.*`) and text-only re-exports (`model.*`, one
+`model.safetensors`, as `Qwen3_5ForCausalLM.save_pretrained` writes).
+
+Tensors are read one at a time from memory-mapped files, cast on the host, moved to the device
+and written into their (stacked) leaf in place, so peak host memory stays near the largest
+tensor (2.5 GB for 27B's embedding), not the 55 GB model. Each tensor's stored dtype is
+respected (real checkpoints mix F32 and BF16) before the cast to the requested dtype; A_log stays
+float32 (see params.FLOAT32_LEAVES).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from safetensors import safe_open
+
+from mtpjax.config import Config
+from mtpjax.params import Params, TensorSpec, abstract_params, hf_tensor_map, leaf_dtype, get_path, replace_path
+
+TEXT_PREFIXES = ("model.language_model.", "model.")
+IGNORED_PREFIXES = ("model.visual.", "visual.")
+TOP_LEVEL = ("lm_head.weight",)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that does not match its config; the message names the tensor."""
+
+
+def safetensors_files(path: str) -> dict[str, str]:
+    """tensor name -> file, from the index when sharded, else from the single file(s)."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            weight_map = json.load(f).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index}: no 'weight_map' object")
+        out = {}
+        for name, fname in weight_map.items():
+            fpath = os.path.join(path, fname)
+            if not os.path.exists(fpath):
+                raise CheckpointError(f"tensor '{name}': shard file '{fname}' named in the "
+                                      "index is missing")
+            out[name] = fpath
+        return out
+    files = sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+    if not files:
+        raise CheckpointError(f"no *.safetensors files and no model.safetensors.index.json in {path}")
+    out = {}
+    for fname in files:
+        fpath = os.path.join(path, fname)
+        with safe_open(fpath, framework="numpy") as f:
+            for name in f.keys():
+                out[name] = fpath
+    return out
+
+
+def canonical_name(name: str) -> str | None:
+    """Checkpoint name -> name in `hf_tensor_map` terms, or None for ignored (vision) tensors."""
+    if name.startswith(IGNORED_PREFIXES):
+        return None
+    if name.startswith("mtp.") or name in TOP_LEVEL:
+        return name
+    for prefix in TEXT_PREFIXES:
+        if name.startswith(prefix):
+            return name[len(prefix):]
+    return name  # reported as unknown by the caller
+
+
+def plan(cfg: Config, files: dict[str, str]) -> list[tuple[TensorSpec, str, str]]:
+    """Match checkpoint tensors to specs; raise CheckpointError on missing/unknown ones."""
+    specs = {s.name: s for s in hf_tensor_map(cfg)}
+    found: dict[str, tuple[str, str]] = {}
+    unknown = []
+    for name, fpath in files.items():
+        canon = canonical_name(name)
+        if canon is None:
+            continue
+        if canon == "lm_head.weight" and cfg.tie_word_embeddings:
+            continue  # tied: the embedding is the head; a stored copy is redundant
+        if canon.startswith("mtp.") and not cfg.has_mtp:
+            unknown.append(name)
+            continue
+        if canon not in specs:
+            unknown.append(name)
+            continue
+        if canon in found:
+            raise CheckpointError(f"tensor '{name}': stored twice (also as '{found[canon][0]}')")
+        found[canon] = (name, fpath)
+    if unknown:
+        raise CheckpointError(f"unknown tensor '{unknown[0]}' (and {len(unknown) - 1} more) not "
+                              "in a Qwen3.5 checkpoint with this config")
+    missing = [n for n in specs if n not in found]
+    if missing:
+        raise CheckpointError(f"missing tensor '{missing[0]}' (and {len(missing) - 1} more)")
+    return [(specs[n], *found[n]) for n in specs]
+
+
+@partial(jax.jit, donate_argnames=("buf",))
+def _set_row(buf, x, i):
+    return buf.at[i].set(x)
+
+
+def load_params(cfg: Config, path: str, dtype="float32") -> Params:
+    """Read every tensor of the checkpoint at `path` into a Params tree of `dtype`."""
+    files = safetensors_files(path)
+    entries = plan(cfg, files)
+    abstract = abstract_params(cfg, dtype)
+    # Stacked leaves get a device buffer filled row by row; others are set directly.
+    leaves: dict[tuple[str, ...], jax.Array] = {}
+    handles: dict[str, object] = {}
+    try:
+        for spec, name, fpath in entries:
+            if fpath not in handles:
+                handles[fpath] = safe_open(fpath, framework="numpy").__enter__()
+            f = handles[fpath]
+            stored = f.get_slice(name).get_shape()
+            if tuple(stored) != spec.shape:
+                raise CheckpointError(f"tensor '{name}': shape {tuple(stored)} but the config "
+                                      f"implies {spec.shape}")
+            host = f.get_tensor(name)
+            want = leaf_dtype(spec.path, dtype)
+            if not (np.issubdtype(host.dtype, np.floating) or host.dtype == jnp.bfloat16):
+                raise CheckpointError(f"tensor '{name}': stored dtype {host.dtype} is not a float")
+            x = jnp.asarray(host.astype(want, copy=False))
+            del host
+            if spec.index is None:
+                leaves[spec.path] = x
+            else:
+                if spec.path not in leaves:
+                    shape = get_path(abstract, spec.path).shape
+                    leaves[spec.path] = jnp.zeros(shape, want)
+                leaves[spec.path] = _set_row(leaves[spec.path], x, spec.index)
+    finally:
+        for h in handles.values():
+            h.__exit__(None, None, None)
+    params = abstract
+    for path_, value in leaves.items():
+        params = replace_path(params, path_, value)
+    if cfg.tie_word_embeddings:
+        params = replace_path(params, ("lm_head",), None)
+    return params

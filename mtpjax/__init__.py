@@ -1,0 +1,7 @@
+"""mtpjax: Qwen3.5 + MTP self-speculative decoding as whole-step XLA programs."""
+
+from mtpjax.config import Config, ConfigError, qwen3_5_27b
+from mtpjax.api import forward_logits, load_checkpoint, mtp_logits
+
+__all__ = ["Config", "ConfigError", "qwen3_5_27b", "forward_logits", "load_checkpoint",
+           "mtp_logits"]

@@ -1,0 +1,84 @@
+"""Public entry points for the model: checkpoint loading and teacher-forced logits."""
+
+from __future__ import annotations
+
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+from mtpjax import model
+from mtpjax.config import Config
+from mtpjax.params import Params
+
+DTYPES = ("float32", "bfloat16")
+
+
+def load_checkpoint(path: str, dtype: str = "float32") -> tuple[Config, Params]:
+    """(cfg, params) from an HF checkpoint folder or an orbax folder made by `convert`."""
+    from checkpoints import is_orbax_checkpoint, load_params, restore_converted
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
+    if is_orbax_checkpoint(path):
+        cfg, params, stored = restore_converted(path)
+        if stored != dtype:
+            params = cast_params(params, dtype)
+        return cfg, params
+    cfg = Config.from_pretrained(path)
+    return cfg, load_params(cfg, path, dtype)
+
+
+def cast_params(params: Params, dtype: str) -> Params:
+    from mtpjax.params import FLOAT32_LEAVES
+    def cast(path, x):
+        name = getattr(path[-1], "name", "")
+        return x if name in FLOAT32_LEAVES else x.astype(dtype)
+    return jax.tree_util.tree_map_with_path(cast, params)
+
+
+def _check_tokens(cfg: Config, token_ids, min_len: int = 1):
+    t = jnp.asarray(token_ids)
+    if t.ndim != 2 or not jnp.issubdtype(t.dtype, jnp.integer):
+        raise ValueError(f"token_ids must be an integer array [B, T], got {t.dtype}{list(t.shape)}")
+    if t.shape[1] < min_len:
+        raise ValueError(f"token_ids needs at least {min_len} tokens per row, got {t.shape[1]}")
+    return t.astype(jnp.int32)
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _forward_hidden(cfg: Config, params: Params, tokens):
+    B, T = tokens.shape
+    cache = model.init_cache(cfg, B, T, 1, params.embed.dtype)
+    h, _ = model.forward(cfg, params, cache, tokens, model.Segment.full(B, T), mode="chunk")
+    return h, cache
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _forward_logits(cfg: Config, params: Params, tokens):
+    h, _ = _forward_hidden(cfg, params, tokens)
+    return model.lm_head(params, h)
+
+
+@partial(jax.jit, static_argnames=("cfg",))
+def _mtp_logits(cfg: Config, params: Params, tokens):
+    B, T = tokens.shape
+    h, cache = _forward_hidden(cfg, params, tokens)
+    h_mtp, _ = model.mtp_forward(cfg, params, cache, h[:, :-1], tokens[:, 1:],
+                                 model.Segment.full(B, T - 1))
+    return model.lm_head(params, h_mtp)
+
+
+def forward_logits(cfg: Config, params: Params, token_ids) -> jax.Array:
+    """Teacher-forced target logits, no cache: int [B, T] -> float32 [B, T, V]."""
+    return _forward_logits(cfg, params, _check_tokens(cfg, token_ids))
+
+
+def mtp_logits(cfg: Config, params: Params, token_ids) -> jax.Array:
+    """Teacher-forced MTP logits: int [B, T] -> float32 [B, T-1, V].
+
+    Row p is the MTP output for (post-final-norm target hidden at p, embedding of token p+1)
+    at position p, i.e. its prediction of token p+2.
+    """
+    if params.mtp is None:
+        raise ValueError("this checkpoint has no MTP head (mtp_num_hidden_layers = 0)")
+    return _mtp_logits(cfg, params, _check_tokens(cfg, token_ids, min_len=2))

@@ -1,0 +1,399 @@
+"""Qwen3.5 text model and MTP head as pure functions over typed pytrees.
+
+Data flow of one call (`forward`):
+
+  tokens [B, T] --embed--> h [B, T, H]
+    --scan over repeats of the layer pattern (e.g. 16 x [GDN, GDN, GDN, full])-->
+       each layer: h += mixer(rmsnorm_1p(h)); h += mlp(rmsnorm_1p(h))
+       full-attention mixer: writes its K/V into the cache entry, attends causally
+       GDN mixer: conv window + recurrent state from the cache entry (chunked or step mode)
+    --final rmsnorm_1p--> post-norm hidden [B, T, H]   (what lm_head and the MTP consume)
+
+Every call describes its tokens with a `Segment`: lane b holds tokens[b, :n_valid[b]] at
+absolute positions start[b] + t; the rest of the row is padding that touches no state. So one
+compiled program serves a batch of unequal prompts (right padding) and idle lanes (n_valid 0).
+
+The cache goes in and comes back out (donate it at the jit boundary). KV storage is swappable:
+`ContiguousKV` ([lanes, max_len] per layer) here; the paged pool plugs in through `kv_attend`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from mtpjax import gdn as gdn_math
+from mtpjax.config import FULL, Config
+from mtpjax.params import FullLayer, GdnParams, LinearLayer, MlpParams, Params, AttnParams
+
+
+def _pytree(cls=None, *, static=()):
+    def wrap(cls):
+        cls = dataclasses.dataclass(frozen=True)(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        return jax.tree_util.register_dataclass(
+            cls, data_fields=[n for n in names if n not in static], meta_fields=list(static))
+    return wrap(cls) if cls is not None else wrap
+
+
+# --------------------------------------------------------------------------------------------
+# Cache pytrees
+# --------------------------------------------------------------------------------------------
+
+@_pytree
+class ContiguousKV:
+    """Per-layer K/V in lane-major contiguous storage. Leaves: [n_layers, B, S, NKV, HD]."""
+    k: jax.Array
+    v: jax.Array
+
+
+@_pytree
+class GdnCache:
+    """Gated DeltaNet state of every linear layer, stacked: leading axis n_linear_layers.
+
+    conv:  [n, B, KC-1+P, CONV_DIM]  raw pre-conv inputs, oldest first; the valid history for
+           the next block is rows [n_pend, n_pend + KC-1) (see gdn.py: pending replay).
+    state: [n, B, NV, DK, DV] float32, committed state from before the pending block.
+    pend_k [n, B, P, NV, DK], pend_v [n, B, P, NV, DV], pend_g / pend_beta [n, B, P, NV]: the
+           last block's per-token delta-rule inputs, float32.
+    """
+    conv: jax.Array
+    state: jax.Array
+    pend_k: jax.Array
+    pend_v: jax.Array
+    pend_g: jax.Array
+    pend_beta: jax.Array
+
+
+@_pytree
+class Cache:
+    full: ContiguousKV          # stacked over full-attention layers
+    linear: GdnCache            # stacked over GDN layers
+    mtp: ContiguousKV | None    # the MTP layer's own KV ([1, B, S, NKV, HD])
+    n_pend: jax.Array           # i32[B]: pending tokens to replay at the next step (all layers)
+
+    @property
+    def num_pending_slots(self) -> int:
+        return self.linear.pend_k.shape[2]
+
+
+def init_cache(cfg: Config, batch: int, max_len: int, num_pending: int = 1,
+               dtype="float32") -> Cache:
+    """An empty cache for `batch` lanes of up to `max_len` tokens.
+
+    num_pending = k + 1 for a speculative engine with k drafts (1 for plain decoding).
+    """
+    dt = jnp.dtype(dtype)
+    kc = cfg.linear_conv_kernel_dim - 1
+    nl, nf = cfg.num_linear_layers, cfg.num_full_layers
+    nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    P = num_pending
+
+    def kv(n):
+        shape = (n, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+        return ContiguousKV(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
+
+    f32 = jnp.float32
+    return Cache(
+        full=kv(nf),
+        linear=GdnCache(
+            conv=jnp.zeros((nl, batch, kc + P, cfg.conv_dim), dt),
+            state=jnp.zeros((nl, batch, nv, dk, dv), f32),
+            pend_k=jnp.zeros((nl, batch, P, nv, dk), f32),
+            pend_v=jnp.zeros((nl, batch, P, nv, dv), f32),
+            pend_g=jnp.zeros((nl, batch, P, nv), f32),
+            pend_beta=jnp.zeros((nl, batch, P, nv), f32),
+        ),
+        mtp=kv(1) if cfg.has_mtp else None,
+        n_pend=jnp.zeros((batch,), jnp.int32),
+    )
+
+
+@_pytree
+class Segment:
+    """Which tokens of a [B, T] call are real: lane b has n_valid[b] tokens from position start[b]."""
+    start: jax.Array    # i32[B]
+    n_valid: jax.Array  # i32[B]
+
+    @staticmethod
+    def full(batch: int, length: int) -> "Segment":
+        return Segment(jnp.zeros((batch,), jnp.int32), jnp.full((batch,), length, jnp.int32))
+
+
+# --------------------------------------------------------------------------------------------
+# Small blocks
+# --------------------------------------------------------------------------------------------
+
+def dense(x, w):
+    """y = x @ w.T with w stored [out, in]; f32 accumulation, one rounding to x's dtype."""
+    return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
+
+
+def rmsnorm_1p(x, w, eps):
+    """Zero-centred RMSNorm: x_hat * (1 + w), computed in f32 and rounded once (spec §3.1a)."""
+    xf = x.astype(jnp.float32)
+    y = xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)
+    return (y * (1.0 + w.astype(jnp.float32))).astype(x.dtype)
+
+
+def gated_rmsnorm(o, z, w, eps):
+    """GDN output norm: plain weight, then SiLU(z) gate (spec §3.1b, HF rounding order)."""
+    dt = z.dtype
+    xf = o.astype(jnp.float32)
+    y = (xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(dt)
+    y = w.astype(dt) * y
+    return (y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(dt)
+
+
+def l2norm(x, eps=1e-6):
+    return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+def mlp_block(p: MlpParams, x):
+    return dense(jax.nn.silu(dense(x, p.gate_proj)) * dense(x, p.up_proj), p.down_proj)
+
+
+def rope_cos_sin(cfg: Config, positions, dtype):
+    """NeoX partial RoPE tables for positions [B, T] -> cos, sin [B, T, RD] (spec §3.5)."""
+    rd = cfg.rotary_dim
+    inv_freq = cfg.rope_theta ** (-jnp.arange(0, rd, 2, dtype=jnp.float32) / rd)
+    ang = positions.astype(jnp.float32)[..., None] * inv_freq
+    ang = jnp.concatenate([ang, ang], axis=-1)
+    return jnp.cos(ang).astype(dtype), jnp.sin(ang).astype(dtype)
+
+
+def apply_rope(x, cos, sin, rd):
+    """x [B, T, N, HD]; rotate the first rd dims (rotate-half), pass the rest through."""
+    xr, xp = x[..., :rd], x[..., rd:]
+    half = rd // 2
+    rot = jnp.concatenate([-xr[..., half:], xr[..., :half]], axis=-1)
+    xr = xr * cos[:, :, None, :] + rot * sin[:, :, None, :]
+    return jnp.concatenate([xr, xp], axis=-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Attention storage: write + attend (the part the paged pool replaces)
+# --------------------------------------------------------------------------------------------
+
+def kv_attend(kv: ContiguousKV, q, k, v, seg: Segment, sm_scale: float):
+    """Write this call's K/V into one layer's storage and attend causally.
+
+    kv: one layer, leaves [B, S, NKV, HD]; q [B, T, NQ, HD]; k, v [B, T, NKV, HD].
+    Returns o [B, T, NQ, HD] (f32 softmax) and the updated storage.
+    """
+    B, T, NQ, HD = q.shape
+    S, NKV = kv.k.shape[1], kv.k.shape[2]
+    t = jnp.arange(T)
+    pos = seg.start[:, None] + t[None, :]                               # [B, T]
+    slot = jnp.where(t[None, :] < seg.n_valid[:, None], pos, S)         # invalid -> dropped
+    b_idx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    k_all = kv.k.at[b_idx, slot].set(k.astype(kv.k.dtype), mode="drop")
+    v_all = kv.v.at[b_idx, slot].set(v.astype(kv.v.dtype), mode="drop")
+
+    G = NQ // NKV
+    qg = q.reshape(B, T, NKV, G, HD)
+    s = jnp.einsum("btngd,bsnd->bngts", qg, k_all,
+                   preferred_element_type=jnp.float32) * sm_scale       # [B, NKV, G, T, S]
+    visible = jnp.arange(S)[None, None, :] <= pos[:, :, None]           # [B, T, S]
+    s = jnp.where(visible[:, None, None], s, -jnp.inf)
+    p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
+    o = jnp.einsum("bngts,bsnd->btngd", p, v_all.astype(q.dtype),
+                   preferred_element_type=jnp.float32).astype(q.dtype)
+    return o.reshape(B, T, NQ, HD), ContiguousKV(k_all, v_all)
+
+
+def attention_block(cfg: Config, p: AttnParams, x, kv, seg: Segment, cos, sin):
+    """Gated full attention (spec §3.4). x [B, T, H] (already normed)."""
+    B, T, _ = x.shape
+    nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    qg = dense(x, p.q_proj).reshape(B, T, nq, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:]
+    k = dense(x, p.k_proj).reshape(B, T, nkv, hd)
+    v = dense(x, p.v_proj).reshape(B, T, nkv, hd)
+    q = apply_rope(rmsnorm_1p(q, p.q_norm, cfg.rms_norm_eps), cos, sin, cfg.rotary_dim)
+    k = apply_rope(rmsnorm_1p(k, p.k_norm, cfg.rms_norm_eps), cos, sin, cfg.rotary_dim)
+    o, kv = kv_attend(kv, q, k, v, seg, hd ** -0.5)
+    o = o.reshape(B, T, nq * hd) * jax.nn.sigmoid(gate.reshape(B, T, nq * hd))
+    return dense(o, p.o_proj), kv
+
+
+# --------------------------------------------------------------------------------------------
+# Gated DeltaNet block
+# --------------------------------------------------------------------------------------------
+
+def _take_rows(x, start, n):
+    """x [B, R, C]; rows [start[b], start[b] + n) of each lane -> [B, n, C]."""
+    idx = start[:, None] + jnp.arange(n)[None, :]
+    return jnp.take_along_axis(x, idx[:, :, None], axis=1)
+
+
+def gdn_block(cfg: Config, p: GdnParams, x, c: GdnCache, n_pend, seg: Segment, mode: str):
+    """Gated DeltaNet mixer (spec §3.6). x [B, T, H] (already normed); c: one layer's state.
+
+    mode "chunk" (prefill): chunked delta rule from the committed state; the end state becomes
+      committed and nothing is left pending.
+    mode "step" (decode / verify, T <= P): pending replay, then the recurrence over the block;
+      the block becomes the pending buffer (see gdn.py).
+    """
+    B, T, _ = x.shape
+    kc = cfg.linear_conv_kernel_dim - 1
+    nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+    dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+    kd = cfg.linear_key_dim
+    P = c.pend_k.shape[1]
+    if mode == "step" and T > P:
+        raise ValueError(f"a step of {T} tokens needs at least {T} pending slots, cache has {P}")
+
+    mixed = dense(x, p.in_proj_qkv)                                # [B, T, CONV]
+    z = dense(x, p.in_proj_z).reshape(B, T, nv, dv)
+    b = dense(x, p.in_proj_b)                                      # [B, T, NV]
+    a = dense(x, p.in_proj_a)
+
+    hist = _take_rows(c.conv, n_pend, kc)                          # [B, KC-1, CONV]
+    xs = jnp.concatenate([hist, mixed.astype(c.conv.dtype)], axis=1)   # [B, KC-1+T, CONV]
+    w = p.conv1d[:, 0, :].astype(x.dtype)                          # [CONV, KC]
+    conv = sum(xs[:, j:j + T] * w[:, j] for j in range(kc + 1))
+    mixed = jax.nn.silu(conv.astype(jnp.float32)).astype(x.dtype)
+
+    q = mixed[..., :kd].reshape(B, T, nk, dk)
+    k = mixed[..., kd:2 * kd].reshape(B, T, nk, dk)
+    v = mixed[..., 2 * kd:].reshape(B, T, nv, dv).astype(jnp.float32)
+    rep = nv // nk
+    q = jnp.repeat(q, rep, axis=2).astype(jnp.float32)             # v-head h <- k-head h // rep
+    k = jnp.repeat(k, rep, axis=2).astype(jnp.float32)
+    q = l2norm(q) * (dk ** -0.5)
+    k = l2norm(k)
+    beta = jax.nn.sigmoid(b).astype(jnp.float32)
+    g = -jnp.exp(p.A_log.astype(jnp.float32)) * jax.nn.softplus(
+        a.astype(jnp.float32) + p.dt_bias.astype(jnp.float32))
+
+    live = jnp.arange(T)[None, :] < seg.n_valid[:, None]           # [B, T]
+    k = jnp.where(live[..., None, None], k, 0.0)
+    v = jnp.where(live[..., None, None], v, 0.0)
+    beta = jnp.where(live[..., None], beta, 0.0)
+    g = jnp.where(live[..., None], g, 0.0)
+
+    if mode == "chunk":
+        S = gdn_math.replay(c.state, c.pend_k, c.pend_v, c.pend_g, c.pend_beta, n_pend)
+        o, S = gdn_math.chunk_gated_delta(q, k, v, g, beta, S)
+        window = _take_rows(xs, seg.n_valid, kc)                   # last KC-1 valid raw inputs
+        conv_new = jnp.concatenate([window, c.conv[:, kc:]], axis=1)
+        c = dataclasses.replace(c, conv=conv_new, state=S)
+    else:
+        o, S = gdn_math.replay_then_run(c.state, c.pend_k, c.pend_v, c.pend_g, c.pend_beta,
+                                        n_pend, q, k, v, g, beta)
+        padT = [(0, 0), (0, P - T)]
+        c = GdnCache(
+            conv=jnp.pad(xs, padT + [(0, 0)]),
+            state=S,
+            pend_k=jnp.pad(k, padT + [(0, 0)] * 2), pend_v=jnp.pad(v, padT + [(0, 0)] * 2),
+            pend_g=jnp.pad(g, padT + [(0, 0)]), pend_beta=jnp.pad(beta, padT + [(0, 0)]))
+
+    y = gated_rmsnorm(o.astype(x.dtype), z, p.norm, cfg.rms_norm_eps)
+    return dense(y.reshape(B, T, nv * dv), p.out_proj), c
+
+
+# --------------------------------------------------------------------------------------------
+# Decoder layers and the whole model
+# --------------------------------------------------------------------------------------------
+
+def full_layer(cfg, p: FullLayer, h, kv, seg, cos, sin):
+    x, kv = attention_block(cfg, p.attn, rmsnorm_1p(h, p.input_layernorm, cfg.rms_norm_eps),
+                            kv, seg, cos, sin)
+    h = h + x
+    h = h + mlp_block(p.mlp, rmsnorm_1p(h, p.post_attention_layernorm, cfg.rms_norm_eps))
+    return h, kv
+
+
+def linear_layer(cfg, p: LinearLayer, h, c, n_pend, seg, mode):
+    x, c = gdn_block(cfg, p.gdn, rmsnorm_1p(h, p.input_layernorm, cfg.rms_norm_eps),
+                     c, n_pend, seg, mode)
+    h = h + x
+    h = h + mlp_block(p.mlp, rmsnorm_1p(h, p.post_attention_layernorm, cfg.rms_norm_eps))
+    return h, c
+
+
+def _group(tree, groups: int):
+    """[n, ...] leaves -> [groups, n // groups, ...] for the layer scan."""
+    return jax.tree.map(lambda a: a.reshape((groups, a.shape[0] // groups) + a.shape[1:]), tree)
+
+
+def _ungroup(tree):
+    return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), tree)
+
+
+def forward(cfg: Config, params: Params, cache: Cache, tokens, seg: Segment, mode: str):
+    """Run the target model over tokens [B, T]; returns (post-norm hidden [B, T, H], cache).
+
+    mode: "chunk" (prefill chunks) or "step" (decode / verify blocks of at most P tokens).
+    After a "step" call every lane's n_valid tokens are pending (n_pend = n_valid); a
+    speculative engine lowers that to accepted + 1 once it knows.
+    """
+    period = cfg.layer_period
+    groups = cfg.num_layers // period
+    pattern = cfg.layer_types[:period]
+    dtype = params.embed.dtype
+
+    h = params.embed[tokens]                                       # [B, T, H]
+    positions = seg.start[:, None] + jnp.arange(tokens.shape[1])[None, :]
+    cos, sin = rope_cos_sin(cfg, positions, dtype)
+    n_pend = cache.n_pend
+
+    def body(h, xs):
+        fp, lp, fkv, lc = xs
+        fkv_out, lc_out = [], []
+        i_f = i_l = 0
+        for kind in pattern:
+            if kind == FULL:
+                p_i = jax.tree.map(lambda a: a[i_f], fp)
+                kv_i = jax.tree.map(lambda a: a[i_f], fkv)
+                h, kv_i = full_layer(cfg, p_i, h, kv_i, seg, cos, sin)
+                fkv_out.append(kv_i)
+                i_f += 1
+            else:
+                p_i = jax.tree.map(lambda a: a[i_l], lp)
+                c_i = jax.tree.map(lambda a: a[i_l], lc)
+                h, c_i = linear_layer(cfg, p_i, h, c_i, n_pend, seg, mode)
+                lc_out.append(c_i)
+                i_l += 1
+        stack = lambda xs_: jax.tree.map(lambda *a: jnp.stack(a), *xs_)
+        return h, (stack(fkv_out), stack(lc_out))
+
+    xs = (_group(params.full, groups), _group(params.linear, groups),
+          _group(cache.full, groups), _group(cache.linear, groups))
+    h, (fkv, lc) = lax.scan(body, h, xs)
+    h = rmsnorm_1p(h, params.final_norm, cfg.rms_norm_eps)
+    n_pend = jnp.zeros_like(seg.n_valid) if mode == "chunk" else seg.n_valid
+    cache = dataclasses.replace(cache, full=_ungroup(fkv), linear=_ungroup(lc), n_pend=n_pend)
+    return h, cache
+
+
+def lm_head(params: Params, h):
+    """Post-norm hidden [..., H] -> float32 logits [..., V] (tied heads read the embedding)."""
+    w = params.embed if params.lm_head is None else params.lm_head
+    return jnp.einsum("...i,vi->...v", h, w, preferred_element_type=jnp.float32)
+
+
+def mtp_forward(cfg: Config, params: Params, cache: Cache, h_prev, next_tokens, seg: Segment):
+    """One MTP pass over aligned pairs (spec §5.1-5.2).
+
+    h_prev [B, T, H]: post-norm hidden states (the target's, or the MTP's own when chaining);
+    next_tokens [B, T]: the token after each hidden state's position; the pair at position
+    start + t is written to the MTP KV cache there and predicts the token at position + 2.
+    Returns (MTP post-norm hidden [B, T, H], cache).
+    """
+    m = params.mtp
+    eps = cfg.rms_norm_eps
+    e = rmsnorm_1p(params.embed[next_tokens], m.pre_fc_norm_embedding, eps)
+    hh = rmsnorm_1p(h_prev.astype(e.dtype), m.pre_fc_norm_hidden, eps)
+    x = dense(jnp.concatenate([e, hh], axis=-1), m.fc)
+    positions = seg.start[:, None] + jnp.arange(next_tokens.shape[1])[None, :]
+    cos, sin = rope_cos_sin(cfg, positions, x.dtype)
+    kv = jax.tree.map(lambda a: a[0], cache.mtp)
+    x, kv = full_layer(cfg, m.layer, x, kv, seg, cos, sin)
+    mtp_kv = jax.tree.map(lambda a: a[None], kv)
+    return rmsnorm_1p(x, m.norm, eps), dataclasses.replace(cache, mtp=mtp_kv)
