@@ -1,0 +1,1 @@
+"""Experiments: the judge (default), generation, benchmarks, conversion, tiny-model training."""
