@@ -1,0 +1,48 @@
+"""Pallas kernels (Triton backend) for the Qwen3.5 inference engine.
+
+Each kernel module holds the kernel body, a jitted wrapper that validates its
+inputs with ``ValueError``s, and a plain-jnp ``*_reference`` with the same
+signature. Tuning knobs live in :mod:`pallas_kernels.tuned_block_sizes`.
+"""
+
+from pallas_kernels.gated_delta import (
+    chunk_gated_delta,
+    chunk_gated_delta_reference,
+    gated_delta_verify,
+    gated_delta_verify_reference,
+    recurrent_gated_delta_reference,
+)
+from pallas_kernels.paged_attention import (
+    paged_attention,
+    paged_attention_reference,
+    validate_paged_inputs_dynamic,
+    write_kv,
+    write_kv_reference,
+)
+from pallas_kernels.tuned_block_sizes import (
+    GATED_DELTA_TABLE,
+    PAGED_ATTENTION_TABLE,
+    GatedDeltaTuning,
+    PagedAttentionTuning,
+    get_gated_delta_tuning,
+    get_paged_attention_tuning,
+)
+
+__all__ = [
+    "GATED_DELTA_TABLE",
+    "PAGED_ATTENTION_TABLE",
+    "GatedDeltaTuning",
+    "PagedAttentionTuning",
+    "chunk_gated_delta",
+    "chunk_gated_delta_reference",
+    "gated_delta_verify",
+    "gated_delta_verify_reference",
+    "get_gated_delta_tuning",
+    "get_paged_attention_tuning",
+    "paged_attention",
+    "paged_attention_reference",
+    "recurrent_gated_delta_reference",
+    "validate_paged_inputs_dynamic",
+    "write_kv",
+    "write_kv_reference",
+]

@@ -1,0 +1,542 @@
+"""Gated delta rule (GDN) kernels: chunked prefill and speculative verify/decode.
+
+Math (spec §4.1, per value head, state ``S`` is ``[DK, DV]`` f32, HF layout)::
+
+    S   = exp(g_t) * S                 # decay first
+    u_t = beta_t * (v_t - S.T @ k_t)   # delta-rule correction
+    S   = S + outer(k_t, u_t)          # rank-1 write
+    o_t = S.T @ q_t                    # read-out from the UPDATED state
+
+Inputs are already head-expanded (one q/k row per value head), q and k are
+L2-normalised and q is pre-scaled; ``g <= 0`` and ``beta`` are f32 ``[B, T, H]``.
+
+Both kernels use the Triton backend (``pltr.CompilerParams`` is always
+passed) and a grid over ``(B, H, DV // block_v)``: the recurrence is
+separable over value columns, so splitting DV gives more programs and fewer
+registers per program without any cross-program communication.
+
+``chunk_gated_delta`` (prefill)
+    Each program loops over chunks of ``chunk_size`` tokens and applies the
+    chunked WY form of spec §4.2 with f32 matmuls (precision HIGHEST, i.e.
+    IEEE f32 on the GPU, not TF32). ``(I + A)^-1`` is formed inside the kernel
+    by forward substitution (one masked row update per chunk row; stable, the
+    same recurrence a unit-lower triangular solve runs). The within-chunk
+    cumulative decay ``gamma`` is computed by the wrapper (a tiny XLA cumsum).
+
+``gated_delta_verify`` (speculative verify, and plain decode with T = 1)
+    "Pending-token replay" rollback. The stored state is the *committed*
+    state from before the previous verify block; the previous block's
+    (k, v, g, beta) are kept as a pending buffer. One call:
+
+    1. reads the state once,
+    2. replays the first ``n_pend[b]`` pending tokens (the tokens accepted in
+       the previous round; no outputs) -> committed state ``S_c``,
+    3. writes ``S_c`` back in place (the state input is aliased to the
+       output) -- the only state write,
+    4. runs the ``T`` new tokens from ``S_c`` in registers, emitting ``o``.
+
+    The caller then stores this call's (k, v, g, beta) as the next pending
+    buffer and sets ``n_pend = accepted + 1``. State traffic is one read and
+    one write per step whatever the number of drafts; the extra cost is
+    replaying up to ``P`` rank-1 updates, which is compute on data already in
+    registers.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as pltr
+from jax.scipy.linalg import solve_triangular
+
+from pallas_kernels.tuned_block_sizes import GatedDeltaTuning, get_gated_delta_tuning
+
+_HI = lax.Precision.HIGHEST
+
+
+def _is_pow2(x: int) -> bool:
+  return x > 0 and (x & (x - 1)) == 0
+
+
+def _dot(a, b):
+  return jnp.dot(a, b, preferred_element_type=jnp.float32, precision=_HI)
+
+
+def _dot_tn(a, b):  # a.T @ b
+  return lax.dot_general(a, b, (((0,), (0,)), ((), ())),
+                         preferred_element_type=jnp.float32, precision=_HI)
+
+
+def _dot_nt(a, b):  # a @ b.T
+  return lax.dot_general(a, b, (((1,), (1,)), ((), ())),
+                         preferred_element_type=jnp.float32, precision=_HI)
+
+
+def _block_v(dv: int, tuning: GatedDeltaTuning, interpret: bool) -> int:
+  bv = min(tuning.block_v, dv)
+  if dv % bv == 0:
+    return bv
+  if interpret:
+    return dv
+  raise ValueError(f"block_v={tuning.block_v} must divide DV={dv}")
+
+
+# ---------------------------------------------------------------------------
+# Validation
+# ---------------------------------------------------------------------------
+
+
+def _validate_tokens(prefix, q, k, v, g, beta, b=None, h=None):
+  if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+    raise ValueError(
+        f"{prefix}q, k must be [B, T, H, DK] and v [B, T, H, DV]; got {q.shape}, "
+        f"{k.shape}, {v.shape}")
+  if q.shape != k.shape:
+    raise ValueError(f"{prefix}q and k must have the same shape, got {q.shape} and {k.shape}")
+  bt = q.shape[:3]
+  if v.shape[:3] != bt:
+    raise ValueError(f"{prefix}v must be [B, T, H, DV] matching q {q.shape}, got {v.shape}")
+  if g.shape != bt or beta.shape != bt:
+    raise ValueError(
+        f"{prefix}g and beta must be [B, T, H]={bt}, got {g.shape} and {beta.shape}")
+  for name, x in (("g", g), ("beta", beta)):
+    if x.dtype != jnp.float32:
+      raise ValueError(f"{prefix}{name} must be float32, got {x.dtype}")
+  if b is not None and q.shape[0] != b:
+    raise ValueError(f"{prefix}batch {q.shape[0]} does not match the state batch {b}")
+  if h is not None and q.shape[2] != h:
+    raise ValueError(f"{prefix}heads {q.shape[2]} do not match the state heads {h}")
+
+
+def _validate_state(state, q, v):
+  b, _, h, dk = q.shape
+  dv = v.shape[-1]
+  if state.shape != (b, h, dk, dv):
+    raise ValueError(f"state must be [B, H, DK, DV]={(b, h, dk, dv)}, got {state.shape}")
+  if state.dtype != jnp.float32:
+    raise ValueError(f"state must be float32, got {state.dtype}")
+
+
+def _validate_triton_dims(dk, dv, interpret):
+  if not interpret:
+    if not _is_pow2(dk) or dk < 16:
+      raise ValueError(f"the Triton kernel needs a power-of-two DK >= 16, got {dk}")
+    if not _is_pow2(dv):
+      raise ValueError(f"the Triton kernel needs a power-of-two DV, got {dv}")
+
+
+# ---------------------------------------------------------------------------
+# Chunked prefill kernel
+# ---------------------------------------------------------------------------
+
+
+def _chunk_kernel(
+    q_ref,  # [T_pad, DK]   queries of (lane, head)
+    k_ref,  # [T_pad, DK]
+    v_ref,  # [T_pad, bv]   this program's value columns
+    gam_ref,  # f32[T_pad]  within-chunk cumulative log decay
+    beta_ref,  # f32[T_pad]
+    s_in_ref,  # f32[DK, bv] initial state columns
+    o_ref,  # [T_pad, bv]
+    s_out_ref,  # f32[DK, bv] final state columns (aliases s_in)
+    *,
+    chunk: int,
+    n_chunks: int,
+):
+  c_iota_r = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 0)
+  c_iota_c = lax.broadcasted_iota(jnp.int32, (chunk, chunk), 1)
+  lower_incl = c_iota_r >= c_iota_c
+  strict = c_iota_r > c_iota_c
+  eye = jnp.where(c_iota_r == c_iota_c, 1.0, 0.0).astype(jnp.float32)
+  last = lax.broadcasted_iota(jnp.int32, (chunk,), 0) == chunk - 1
+
+  def chunk_body(c, s):
+    sl = pl.ds(c * chunk, chunk)
+    qc = q_ref[sl, :].astype(jnp.float32)  # [C, DK]
+    kc = k_ref[sl, :].astype(jnp.float32)  # [C, DK]
+    vc = v_ref[sl, :].astype(jnp.float32)  # [C, bv]
+    gam = gam_ref[sl]  # [C]
+    beta = beta_ref[sl]  # [C]
+
+    # Causal decay D_ij = exp(gam_i - gam_j), i >= j; mask BEFORE exp.
+    diff = jnp.where(lower_incl, gam[:, None] - gam[None, :], 0.0)
+    decay = jnp.where(lower_incl, jnp.exp(diff), 0.0)  # [C, C]
+    kk = _dot_nt(kc, kc)  # [C, C]
+    a = jnp.where(strict, beta[:, None] * kk * decay, 0.0)
+
+    # tinv = (I + A)^-1 by forward substitution: row i = e_i - A[i, :] @ tinv.
+    def subst(i, tinv):
+      sel = c_iota_r == i
+      a_row = jnp.sum(jnp.where(sel, a, 0.0), axis=0)  # [C]
+      new_row = jnp.sum(a_row[:, None] * tinv, axis=0)  # [C]
+      return jnp.where(sel, eye - new_row[None, :], tinv)
+
+    tinv = lax.fori_loop(1, chunk, subst, eye)
+
+    big_gam = jnp.exp(gam)  # [C]
+    u = _dot(tinv, vc * beta[:, None])  # [C, bv]
+    wk = _dot(tinv, kc * (beta * big_gam)[:, None])  # [C, DK]
+    v_new = u - _dot(wk, s)  # [C, bv]
+    qk = jnp.where(lower_incl, _dot_nt(qc, kc) * decay, 0.0)  # [C, C]
+    o = _dot(qc * big_gam[:, None], s) + _dot(qk, v_new)  # [C, bv]
+    o_ref[sl, :] = o.astype(o_ref.dtype)
+
+    gam_last = jnp.sum(jnp.where(last, gam, 0.0))
+    k_dec = kc * jnp.exp(gam_last - gam)[:, None]  # [C, DK]
+    return jnp.exp(gam_last) * s + _dot_tn(k_dec, v_new)
+
+  s = s_in_ref[...]
+  s = lax.fori_loop(0, n_chunks, chunk_body, s)
+  s_out_ref[...] = s
+
+
+def _chunk_pad(x, t_pad):
+  t = x.shape[1]
+  if t == t_pad:
+    return x
+  pad = [(0, 0)] * x.ndim
+  pad[1] = (0, t_pad - t)
+  return jnp.pad(x, pad)
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size", "interpret", "tuning"))
+def chunk_gated_delta(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    state: jax.Array,
+    *,
+    chunk_size: int = 64,
+    interpret: bool = False,
+    tuning: GatedDeltaTuning | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Chunked (WY-form) gated delta rule over a prompt chunk.
+
+  Args:
+    q, k: [B, T, H, DK] (L2-normalised; q pre-scaled by DK**-0.5).
+    v: [B, T, H, DV].
+    g: f32[B, T, H] log decay (<= 0); beta: f32[B, T, H].
+    state: f32[B, H, DK, DV] initial state (zeros for a fresh prompt). It is
+      aliased to ``final_state``, so donating it updates it in place.
+    chunk_size: tokens per chunk (64 = HF/FLA; Triton needs a power of two
+      >= 16). T need not be a multiple: the tail is zero-padded (a no-op).
+    interpret: run the Pallas interpreter.
+    tuning: ``GatedDeltaTuning``; ``None`` looks up ``tuned_block_sizes``.
+
+  Returns:
+    (o [B, T, H, DV] in v.dtype, final_state f32[B, H, DK, DV]).
+  """
+  _validate_tokens("", q, k, v, g, beta)
+  _validate_state(state, q, v)
+  b, t, h, dk = q.shape
+  dv = v.shape[-1]
+  if t < 1:
+    raise ValueError(f"T must be >= 1, got {t}")
+  if chunk_size < 1:
+    raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+  if not interpret and (not _is_pow2(chunk_size) or chunk_size < 16):
+    raise ValueError(
+        f"the Triton kernel needs a power-of-two chunk_size >= 16, got {chunk_size}")
+  _validate_triton_dims(dk, dv, interpret)
+  if tuning is None:
+    tuning = get_gated_delta_tuning("chunk", dk, dv)
+  bv = _block_v(dv, tuning, interpret)
+
+  n_chunks = pl.cdiv(t, chunk_size)
+  t_pad = n_chunks * chunk_size
+  q_p, k_p, v_p = (_chunk_pad(x, t_pad) for x in (q, k, v))
+  g_p, beta_p = _chunk_pad(g, t_pad), _chunk_pad(beta, t_pad)
+  gam = jnp.cumsum(g_p.reshape(b, n_chunks, chunk_size, h), axis=2).reshape(b, t_pad, h)
+
+  kernel = functools.partial(_chunk_kernel, chunk=chunk_size, n_chunks=n_chunks)
+  grid = (b, h, dv // bv)
+  o, s_out = pl.pallas_call(
+      kernel,
+      grid=grid,
+      in_specs=[
+          pl.BlockSpec((None, t_pad, None, dk), lambda i, j, c: (i, 0, j, 0)),  # q
+          pl.BlockSpec((None, t_pad, None, dk), lambda i, j, c: (i, 0, j, 0)),  # k
+          pl.BlockSpec((None, t_pad, None, bv), lambda i, j, c: (i, 0, j, c)),  # v
+          pl.BlockSpec((None, t_pad, None), lambda i, j, c: (i, 0, j)),  # gamma
+          pl.BlockSpec((None, t_pad, None), lambda i, j, c: (i, 0, j)),  # beta
+          pl.BlockSpec((None, None, dk, bv), lambda i, j, c: (i, j, 0, c)),  # state
+      ],
+      out_specs=[
+          pl.BlockSpec((None, t_pad, None, bv), lambda i, j, c: (i, 0, j, c)),
+          pl.BlockSpec((None, None, dk, bv), lambda i, j, c: (i, j, 0, c)),
+      ],
+      out_shape=[
+          jax.ShapeDtypeStruct((b, t_pad, h, dv), v.dtype),
+          jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32),
+      ],
+      input_output_aliases={5: 1},
+      compiler_params=pltr.CompilerParams(num_warps=tuning.num_warps,
+                                          num_stages=tuning.num_stages),
+      interpret=interpret,
+      name=f"chunk_gated_delta_c{chunk_size}_{tuning.name}",
+  )(q_p, k_p, v_p, gam, beta_p, state)
+  return o[:, :t], s_out
+
+
+# ---------------------------------------------------------------------------
+# Verify / decode kernel (pending-token replay)
+# ---------------------------------------------------------------------------
+
+
+def _verify_kernel(
+    n_pend_ref,  # i32[1]       pending tokens to replay for this lane
+    s_in_ref,  # f32[DK, bv]    committed state before the previous block
+    pk_ref,  # [P, DK]          pending keys
+    pv_ref,  # [P, bv]          pending values (this program's columns)
+    pg_ref,  # f32[P]           pending log decay
+    pb_ref,  # f32[P]           pending beta
+    q_ref,  # [T, DK]           new queries
+    k_ref,  # [T, DK]
+    v_ref,  # [T, bv]
+    g_ref,  # f32[T]
+    b_ref,  # f32[T]
+    o_ref,  # [T, bv]           outputs of the new tokens
+    s_out_ref,  # f32[DK, bv]   committed state S_c (aliases s_in)
+    *,
+    n_new: int,
+):
+  def step(s, k_t, v_t, g_t, b_t):
+    s = jnp.exp(g_t) * s
+    pred = jnp.sum(s * k_t[:, None], axis=0)  # [bv] = S.T @ k
+    u = b_t * (v_t - pred)
+    return s + k_t[:, None] * u[None, :]
+
+  def replay(p, s):
+    return step(s, pk_ref[p, :].astype(jnp.float32), pv_ref[p, :].astype(jnp.float32),
+                pg_ref[p], pb_ref[p])
+
+  s = s_in_ref[...]
+  # Only the first n_pend slots are read; slots beyond may hold anything.
+  s = lax.fori_loop(0, n_pend_ref[0], replay, s)
+  s_out_ref[...] = s
+
+  def new_token(t, s):
+    s = step(s, k_ref[t, :].astype(jnp.float32), v_ref[t, :].astype(jnp.float32),
+             g_ref[t], b_ref[t])
+    o = jnp.sum(s * q_ref[t, :].astype(jnp.float32)[:, None], axis=0)  # S.T @ q
+    o_ref[t, :] = o.astype(o_ref.dtype)
+    return s
+
+  lax.fori_loop(0, n_new, new_token, s)
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
+def gated_delta_verify(
+    state: jax.Array,
+    pend_k: jax.Array,
+    pend_v: jax.Array,
+    pend_g: jax.Array,
+    pend_beta: jax.Array,
+    n_pend: jax.Array,
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    g: jax.Array,
+    beta: jax.Array,
+    *,
+    interpret: bool = False,
+    tuning: GatedDeltaTuning | None = None,
+) -> tuple[jax.Array, jax.Array]:
+  """Speculative verify (or decode, T = 1) step with pending-token replay.
+
+  Args:
+    state: f32[B, H, DK, DV] committed state from before the previous block.
+      Aliased to ``new_state``: donate it to update it in place.
+    pend_k: [B, P, H, DK], pend_v: [B, P, H, DV], pend_g, pend_beta:
+      f32[B, P, H] -- the previous block's inputs (P >= 1).
+    n_pend: i32[B] in [0, P]: how many pending tokens to commit (accepted
+      drafts of the previous round + 1; 0 when nothing is pending, e.g.
+      right after prefill). Slots >= n_pend are never read.
+    q, k: [B, T, H, DK], v: [B, T, H, DV], g, beta: f32[B, T, H] -- the new
+      block (T = k + 1 for k drafts; T = 1 for plain decode).
+    interpret: run the Pallas interpreter.
+    tuning: ``GatedDeltaTuning``; ``None`` looks up ``tuned_block_sizes``.
+
+  Returns:
+    (o [B, T, H, DV] in v.dtype, new_state f32[B, H, DK, DV]) where
+    new_state is the state after the n_pend committed pending tokens
+    (*not* after the new tokens).
+  """
+  _validate_tokens("", q, k, v, g, beta)
+  _validate_state(state, q, v)
+  b, t, h, dk = q.shape
+  dv = v.shape[-1]
+  _validate_tokens("pending ", pend_k, pend_k, pend_v, pend_g, pend_beta, b=b, h=h)
+  p = pend_k.shape[1]
+  if pend_k.shape[-1] != dk or pend_v.shape[-1] != dv:
+    raise ValueError(
+        f"pending k/v head dims {pend_k.shape[-1]}/{pend_v.shape[-1]} do not match "
+        f"DK={dk}/DV={dv}")
+  if t < 1 or p < 1:
+    raise ValueError(f"T and P must be >= 1, got T={t}, P={p}")
+  if n_pend.shape != (b,) or n_pend.dtype != jnp.int32:
+    raise ValueError(f"n_pend must be int32[B={b}], got {n_pend.dtype}{list(n_pend.shape)}")
+  _validate_triton_dims(dk, dv, interpret)
+  if tuning is None:
+    tuning = get_gated_delta_tuning("verify", dk, dv)
+  bv = _block_v(dv, tuning, interpret)
+  n_pend = jnp.clip(n_pend, 0, p)
+
+  kernel = functools.partial(_verify_kernel, n_new=t)
+  grid = (b, h, dv // bv)
+
+  def tok_spec(n, d, col):
+    if col:
+      return pl.BlockSpec((None, n, None, d), lambda i, j, c: (i, 0, j, c))
+    return pl.BlockSpec((None, n, None, d), lambda i, j, c: (i, 0, j, 0))
+
+  def scal_spec(n):
+    return pl.BlockSpec((None, n, None), lambda i, j, c: (i, 0, j))
+
+  state_spec = pl.BlockSpec((None, None, dk, bv), lambda i, j, c: (i, j, 0, c))
+  o, new_state = pl.pallas_call(
+      kernel,
+      grid=grid,
+      in_specs=[
+          pl.BlockSpec((1,), lambda i, j, c: (i,)),  # n_pend
+          state_spec,
+          tok_spec(p, dk, False), tok_spec(p, bv, True), scal_spec(p), scal_spec(p),
+          tok_spec(t, dk, False), tok_spec(t, dk, False), tok_spec(t, bv, True),
+          scal_spec(t), scal_spec(t),
+      ],
+      out_specs=[tok_spec(t, bv, True), state_spec],
+      out_shape=[
+          jax.ShapeDtypeStruct((b, t, h, dv), v.dtype),
+          jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32),
+      ],
+      input_output_aliases={1: 1},
+      compiler_params=pltr.CompilerParams(num_warps=tuning.num_warps,
+                                          num_stages=tuning.num_stages),
+      interpret=interpret,
+      name=f"gated_delta_verify_{tuning.name}",
+  )(n_pend, state, pend_k, pend_v, pend_g, pend_beta, q, k, v, g, beta)
+  return o, new_state
+
+
+# ---------------------------------------------------------------------------
+# References (plain jnp, f32)
+# ---------------------------------------------------------------------------
+
+
+def _recurrent_step(s, k_t, v_t, g_t, b_t):
+  """One token of spec §4.1 on [B, H, DK, DV]; returns the updated state."""
+  s = jnp.exp(g_t)[..., None, None] * s
+  pred = jnp.einsum("bhkv,bhk->bhv", s, k_t, precision=_HI)
+  u = b_t[..., None] * (v_t - pred)
+  return s + k_t[..., :, None] * u[..., None, :]
+
+
+def _f32(*xs):
+  return tuple(x.astype(jnp.float32) for x in xs)
+
+
+@jax.jit
+def recurrent_gated_delta_reference(q, k, v, g, beta, state):
+  """Per-token recurrence (spec §4.1) with ``lax.scan``: the oracle.
+
+  Same arguments as :func:`chunk_gated_delta`; returns (o in v.dtype,
+  final_state f32).
+  """
+  _validate_tokens("", q, k, v, g, beta)
+  _validate_state(state, q, v)
+  qf, kf, vf, gf, bf = _f32(q, k, v, g, beta)
+
+  def body(s, x):
+    q_t, k_t, v_t, g_t, b_t = x
+    s = _recurrent_step(s, k_t, v_t, g_t, b_t)
+    return s, jnp.einsum("bhkv,bhk->bhv", s, q_t, precision=_HI)
+
+  xs = tuple(jnp.moveaxis(x, 1, 0) for x in (qf, kf, vf, gf, bf))
+  s, o = lax.scan(body, state.astype(jnp.float32), xs)
+  return jnp.moveaxis(o, 0, 1).astype(v.dtype), s
+
+
+@functools.partial(jax.jit, static_argnames=("chunk_size",))
+def chunk_gated_delta_reference(q, k, v, g, beta, state, *, chunk_size=64):
+  """Chunked WY form (spec §4.2) in jnp: ``lax.scan`` over chunks, f32.
+
+  Same arguments/returns as :func:`chunk_gated_delta` (no kernel knobs).
+  """
+  _validate_tokens("", q, k, v, g, beta)
+  _validate_state(state, q, v)
+  b, t, h, dk = q.shape
+  dv = v.shape[-1]
+  c = chunk_size
+  n = pl.cdiv(t, c)
+  t_pad = n * c
+  qf, kf, vf, gf, bf = (_chunk_pad(x, t_pad) for x in _f32(q, k, v, g, beta))
+
+  def to_chunks(x):  # [B, T_pad, H, ...] -> [n, B, H, C, ...]
+    x = x.reshape(b, n, c, h, *x.shape[3:])
+    return jnp.moveaxis(jnp.moveaxis(x, 1, 0), 3, 2)
+
+  qc, kc, vc, gc, bc = map(to_chunks, (qf, kf, vf, gf, bf))
+  idx = jnp.arange(c)
+  lower_incl = idx[:, None] >= idx[None, :]
+  strict = idx[:, None] > idx[None, :]
+
+  def body(s, x):
+    qi, ki, vi, gi, bi = x  # [B, H, C, D] / [B, H, C]
+    gam = jnp.cumsum(gi, axis=-1)
+    diff = jnp.where(lower_incl, gam[..., :, None] - gam[..., None, :], -jnp.inf)
+    decay = jnp.exp(diff)
+    kk = jnp.einsum("bhik,bhjk->bhij", ki, ki, precision=_HI)
+    a = jnp.where(strict, bi[..., :, None] * kk * decay, 0.0)
+    eye = jnp.eye(c, dtype=jnp.float32)
+    big_gam = jnp.exp(gam)
+    rhs = jnp.concatenate([vi * bi[..., None], ki * (bi * big_gam)[..., None]], axis=-1)
+    sol = solve_triangular(eye + a, rhs, lower=True, unit_diagonal=True)
+    u, wk = sol[..., :dv], sol[..., dv:]
+    v_new = u - jnp.einsum("bhik,bhkv->bhiv", wk, s, precision=_HI)
+    qk = jnp.einsum("bhik,bhjk->bhij", qi, ki, precision=_HI) * decay
+    o = (jnp.einsum("bhik,bhkv->bhiv", qi * big_gam[..., None], s, precision=_HI)
+         + jnp.einsum("bhij,bhjv->bhiv", qk, v_new, precision=_HI))
+    gam_last = gam[..., -1]
+    k_dec = ki * jnp.exp(gam_last[..., None] - gam)[..., None]
+    s = (jnp.exp(gam_last)[..., None, None] * s
+         + jnp.einsum("bhik,bhiv->bhkv", k_dec, v_new, precision=_HI))
+    return s, o
+
+  s, o = lax.scan(body, state.astype(jnp.float32), (qc, kc, vc, gc, bc))
+  o = jnp.moveaxis(o, 0, 1)  # [B, n, H, C, DV]
+  o = jnp.moveaxis(o, 2, 3).reshape(b, t_pad, h, dv)
+  return o[:, :t].astype(v.dtype), s
+
+
+@functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
+def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pend,
+                                 q, k, v, g, beta, *, interpret=False, tuning=None):
+  """jnp version of :func:`gated_delta_verify` (same signature and returns).
+
+  Replays the pending slots with a masked scan (slots >= n_pend are selected
+  away with ``jnp.where``, so NaN there cannot leak), then runs the new
+  tokens with the recurrence.
+  """
+  del interpret, tuning
+  _validate_tokens("", q, k, v, g, beta)
+  _validate_state(state, q, v)
+  pk, pv, pg, pb = _f32(pend_k, pend_v, pend_g, pend_beta)
+
+  def replay(s, x):
+    i, k_t, v_t, g_t, b_t = x
+    s_new = _recurrent_step(s, k_t, v_t, g_t, b_t)
+    keep = (i < n_pend)[:, None, None, None]
+    return jnp.where(keep, s_new, s), None
+
+  p = pend_k.shape[1]
+  xs = (jnp.arange(p, dtype=jnp.int32),) + tuple(
+      jnp.moveaxis(x, 1, 0) for x in (pk, pv, pg, pb))
+  s_c, _ = lax.scan(replay, state.astype(jnp.float32), xs)
+  o, _ = recurrent_gated_delta_reference(q, k, v, g, beta, s_c)
+  return o, s_c
