@@ -279,7 +279,7 @@ def paged_attention(
   nkv, num_pages, page_size, _ = k_pages.shape
   group = nq // nkv
   if tuning is None:
-    tuning = get_paged_attention_tuning(hd, page_size)
+    tuning = get_paged_attention_tuning(hd, page_size, tq * group)
 
   # --- fold (Tq, G) into rows -------------------------------------------------
   n_rows = tq * group

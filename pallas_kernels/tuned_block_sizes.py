@@ -87,24 +87,34 @@ class PagedAttentionTuning:
             f"w{self.num_warps}_s{self.num_stages}")
 
 
-# key: (head_dim, page_size). The key block is pages_per_compute_block *
-# page_size tokens; aim for 64 keys per step at head_dim 256 (q block 32x256,
-# k block 64x256 in bf16 fit registers with 4 warps).
-PAGED_ATTENTION_TABLE: dict[tuple[int, int], PagedAttentionTuning] = {
-    (256, 16): PagedAttentionTuning(max_block_rows=64, pages_per_compute_block=4,
-                                    num_warps=4, num_stages=2),
-    (256, 32): PagedAttentionTuning(max_block_rows=64, pages_per_compute_block=2,
-                                    num_warps=4, num_stages=2),
-    (256, 64): PagedAttentionTuning(max_block_rows=64, pages_per_compute_block=1,
-                                    num_warps=4, num_stages=2),
-    (128, 16): PagedAttentionTuning(max_block_rows=64, pages_per_compute_block=8,
-                                    num_warps=4, num_stages=2),
+# key: (head_dim, page_size, mode). mode is "decode" when the folded query
+# rows of one (lane, kv head) fit one block (Tq * G <= 64: decode and verify),
+# else "prefill". The key block is pages_per_compute_block * page_size tokens;
+# aim for 64 keys per step in decode (q block <= 64x256, k/v blocks 64x256
+# bf16) and 32 keys with 8 warps in prefill, where the 64x256 f32 accumulator
+# is the largest live value.
+PAGED_ATTENTION_TABLE: dict[tuple[int, int, str], PagedAttentionTuning] = {
+    (256, 16, "decode"): PagedAttentionTuning(max_block_rows=64, pages_per_compute_block=4,
+                                              num_warps=4, num_stages=2),
+    (256, 16, "prefill"): PagedAttentionTuning(max_block_rows=64, pages_per_compute_block=2,
+                                               num_warps=8, num_stages=2),
+    (256, 32, "decode"): PagedAttentionTuning(max_block_rows=64, pages_per_compute_block=2,
+                                              num_warps=4, num_stages=2),
+    (256, 32, "prefill"): PagedAttentionTuning(max_block_rows=64, pages_per_compute_block=1,
+                                               num_warps=8, num_stages=2),
+    (128, 16, "decode"): PagedAttentionTuning(max_block_rows=64, pages_per_compute_block=8,
+                                              num_warps=4, num_stages=2),
 }
 
 
-def get_paged_attention_tuning(head_dim: int, page_size: int) -> PagedAttentionTuning:
-  """Table entry for (head_dim, page_size), else a default aiming at 64 keys/step."""
-  hit = PAGED_ATTENTION_TABLE.get((head_dim, page_size))
+def get_paged_attention_tuning(head_dim: int, page_size: int,
+                               num_rows: int = 1) -> PagedAttentionTuning:
+  """Table entry for (head_dim, page_size, mode), else a default (64 keys/step).
+
+  ``num_rows`` is ``Tq * G``, the folded query rows of one (lane, kv head).
+  """
+  mode = "decode" if num_rows <= 64 else "prefill"
+  hit = PAGED_ATTENTION_TABLE.get((head_dim, page_size, mode))
   if hit is not None:
     return hit
   ppcb = next_pow2(max(1, 64 // max(page_size, 1)))
@@ -147,7 +157,7 @@ class GatedDeltaTuning:
 # key: (kernel, DK, DV). "chunk" = chunked prefill (a [C, DK] x [DK, bv]
 # matmul pipeline per chunk), "verify" = per-token recurrence (matvecs).
 GATED_DELTA_TABLE: dict[tuple[str, int, int], GatedDeltaTuning] = {
-    ("chunk", 128, 128): GatedDeltaTuning(block_v=32, num_warps=4, num_stages=1),
+    ("chunk", 128, 128): GatedDeltaTuning(block_v=32, num_warps=8, num_stages=1),
     ("verify", 128, 128): GatedDeltaTuning(block_v=32, num_warps=4, num_stages=1),
 }
 

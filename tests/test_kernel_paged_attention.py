@@ -267,6 +267,16 @@ def test_tuning_rejects(field, value):
     PagedAttentionTuning(**{field: value})
 
 
+def test_tuning_table_lookup():
+  from pallas_kernels import get_paged_attention_tuning
+  decode = get_paged_attention_tuning(256, 16, 4 * 6)
+  prefill = get_paged_attention_tuning(256, 16, 256 * 6)
+  assert decode.pages_per_compute_block * 16 == 64
+  assert prefill.num_warps == 8
+  fallback = get_paged_attention_tuning(64, 4)
+  assert fallback.pages_per_compute_block * 4 == 64
+
+
 def test_write_kv_rejects_mismatched_heads():
   k_pages, v_pages, k_new, v_new, table, kv_lens, q_lens = _write_case(0)
   with pytest.raises(ValueError, match="NKV/HD"):
@@ -303,17 +313,19 @@ def test_dynamic_validation_page_ids():
 NQ, NKV, HD, PAGE = 24, 4, 256, 16
 
 
-@pytest.mark.parametrize("b,tq,pages_per_lane,tuning", [
-    (8, 1, 256, None),  # decode, 4k context, auto splits
-    (4, 4, 256, None),  # verify k = 3
-    (1, 256, 64, PagedAttentionTuning(k_splits=1)),  # prefill chunk, 4 row blocks
-], ids=["decode", "verify", "prefill"])
-def test_lowers_for_cuda_at_27b_shapes(b, tq, pages_per_lane, tuning):
+@pytest.mark.parametrize("b,tq,pages_per_lane,tuning,dtype", [
+    (8, 1, 256, None, jnp.bfloat16),  # decode, 4k context, auto splits
+    (4, 4, 256, None, jnp.bfloat16),  # verify k = 3: 24 rows -> one block of 32
+    (4, 4, 256, None, jnp.float32),  # f32 (IEEE dots)
+    (1, 256, 64, None, jnp.bfloat16),  # prefill chunk: 24 row blocks, auto splits
+    (1, 256, 64, PagedAttentionTuning(k_splits=1), jnp.bfloat16),  # no split
+], ids=["decode", "verify", "verify-f32", "prefill", "prefill-nosplit"])
+def test_lowers_for_cuda_at_27b_shapes(b, tq, pages_per_lane, tuning, dtype):
   sds = jax.ShapeDtypeStruct
   num_pages = b * pages_per_lane
-  args = (sds((b, tq, NQ, HD), jnp.bfloat16),
-          sds((NKV, num_pages, PAGE, HD), jnp.bfloat16),
-          sds((NKV, num_pages, PAGE, HD), jnp.bfloat16),
+  args = (sds((b, tq, NQ, HD), dtype),
+          sds((NKV, num_pages, PAGE, HD), dtype),
+          sds((NKV, num_pages, PAGE, HD), dtype),
           sds((b, pages_per_lane), jnp.int32), sds((b,), jnp.int32), sds((b,), jnp.int32))
   fn = functools.partial(paged_attention, sm_scale=HD ** -0.5, tuning=tuning)
   text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
