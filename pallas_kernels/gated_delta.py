@@ -231,6 +231,10 @@ def chunk_gated_delta(
 
   Returns:
     (o [B, T, H, DV] in v.dtype, final_state f32[B, H, DK, DV]).
+
+  Ragged lanes: right-pad a shorter lane with ``g = beta = 0`` (and any
+  finite q, k, v). Such a token leaves the state unchanged, so the final
+  state is that of the real tokens; outputs at padded positions are junk.
   """
   _validate_tokens("", q, k, v, g, beta)
   _validate_state(state, q, v)
