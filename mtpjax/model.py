@@ -231,10 +231,12 @@ def _take_rows(x, start, n):
     return jnp.take_along_axis(x, idx[:, :, None], axis=1)
 
 
-def gdn_block(cfg: Config, p: GdnParams, x, c: GdnCache, n_pend, seg: Segment, mode: str):
+def gdn_block(cfg: Config, p: GdnParams, x, c: GdnCache, n_pend, seg: Segment, mode: str,
+              kernels: str = "reference"):
     """Gated DeltaNet mixer (spec §3.6). x [B, T, H] (already normed); c: one layer's state.
 
-    mode "chunk" (prefill): chunked delta rule from the committed state; the end state becomes
+    mode "chunk" (prefill): chunked delta rule from the committed state, which must have no
+      pending tokens (a fresh lane, or the previous prefill chunk); the end state becomes
       committed and nothing is left pending.
     mode "step" (decode / verify, T <= P): pending replay, then the recurrence over the block;
       the block becomes the pending buffer (see gdn.py).
@@ -278,14 +280,13 @@ def gdn_block(cfg: Config, p: GdnParams, x, c: GdnCache, n_pend, seg: Segment, m
     g = jnp.where(live[..., None], g, 0.0)
 
     if mode == "chunk":
-        S = gdn_math.replay(c.state, c.pend_k, c.pend_v, c.pend_g, c.pend_beta, n_pend)
-        o, S = gdn_math.chunk_gated_delta(q, k, v, g, beta, S)
+        o, S = gdn_math.prefill(q, k, v, g, beta, c.state, kernels)
         window = _take_rows(xs, seg.n_valid, kc)                   # last KC-1 valid raw inputs
         conv_new = jnp.concatenate([window, c.conv[:, kc:]], axis=1)
         c = dataclasses.replace(c, conv=conv_new, state=S)
     else:
-        o, S = gdn_math.replay_then_run(c.state, c.pend_k, c.pend_v, c.pend_g, c.pend_beta,
-                                        n_pend, q, k, v, g, beta)
+        o, S = gdn_math.step(c.state, c.pend_k, c.pend_v, c.pend_g, c.pend_beta,
+                             n_pend, q, k, v, g, beta, kernels)
         padT = [(0, 0), (0, P - T)]
         c = GdnCache(
             conv=jnp.pad(xs, padT + [(0, 0)]),
@@ -309,9 +310,9 @@ def full_layer(cfg, p: FullLayer, h, kv, seg, cos, sin):
     return h, kv
 
 
-def linear_layer(cfg, p: LinearLayer, h, c, n_pend, seg, mode):
+def linear_layer(cfg, p: LinearLayer, h, c, n_pend, seg, mode, kernels):
     x, c = gdn_block(cfg, p.gdn, rmsnorm_1p(h, p.input_layernorm, cfg.rms_norm_eps),
-                     c, n_pend, seg, mode)
+                     c, n_pend, seg, mode, kernels)
     h = h + x
     h = h + mlp_block(p.mlp, rmsnorm_1p(h, p.post_attention_layernorm, cfg.rms_norm_eps))
     return h, c
@@ -326,7 +327,8 @@ def _ungroup(tree):
     return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), tree)
 
 
-def forward(cfg: Config, params: Params, cache: Cache, tokens, seg: Segment, mode: str):
+def forward(cfg: Config, params: Params, cache: Cache, tokens, seg: Segment, mode: str,
+            kernels: str = "reference"):
     """Run the target model over tokens [B, T]; returns (post-norm hidden [B, T, H], cache).
 
     mode: "chunk" (prefill chunks) or "step" (decode / verify blocks of at most P tokens).
@@ -357,7 +359,7 @@ def forward(cfg: Config, params: Params, cache: Cache, tokens, seg: Segment, mod
             else:
                 p_i = jax.tree.map(lambda a: a[i_l], lp)
                 c_i = jax.tree.map(lambda a: a[i_l], lc)
-                h, c_i = linear_layer(cfg, p_i, h, c_i, n_pend, seg, mode)
+                h, c_i = linear_layer(cfg, p_i, h, c_i, n_pend, seg, mode, kernels)
                 lc_out.append(c_i)
                 i_l += 1
         stack = lambda xs_: jax.tree.map(lambda *a: jnp.stack(a), *xs_)
