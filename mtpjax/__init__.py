@@ -5,3 +5,7 @@ from mtpjax.api import forward_logits, load_checkpoint, mtp_logits
 
 __all__ = ["Config", "ConfigError", "qwen3_5_27b", "forward_logits", "load_checkpoint",
            "mtp_logits"]
+from mtpjax.engine import Engine, RequestOutput, RequestStats  # noqa: E402
+from mtpjax.sampling import SamplingParams  # noqa: E402
+
+__all__ += ["Engine", "RequestOutput", "RequestStats", "SamplingParams"]
