@@ -1,0 +1,100 @@
+"""The judge's card: card.json (reference keys + extras), card.md and plots."""
+
+from __future__ import annotations
+
+import json
+import os
+
+
+def _fmt(x, nd=3):
+    return "n/a" if x is None else (f"{x:.{nd}f}" if isinstance(x, float) else str(x))
+
+
+def render_md(c: dict) -> str:
+    L = c["limits"]
+    ok = lambda b: "pass" if b else "FAIL"
+    lines = ["# mtpjax judge card", ""]
+    st = c["settings"]
+    lines.append(f"checkpoint `{st['checkpoint']}` · dtype {st['dtype']} · k = {st['k']} · kernels "
+                 f"{st['kernels']} · device {st['device']} ({st['backend']}) · jax "
+                 f"{st['versions']['jax']} · {st['passes']} passes · wall {st['wall_s']:.0f} s")
+    lines += ["", "| workload | lanes | requests | ratio (median) | passes | stock tok/s | candidate tok/s | tokens/verify step | page use |",
+              "|---|---|---|---|---|---|---|---|---|"]
+    for w, r in c["ratios"].items():
+        t = c["throughput"][w]
+        util = c["page_utilization"].get(w)
+        lines.append(f"| {w} | {st['lanes'][w]} | {st['requests'][w]} | **{r['ratio']:.3f}** | "
+                     f"{', '.join(f'{x:.3f}' for x in r['passes'])} | "
+                     f"{', '.join(f'{x:.1f}' for x in t['stock_tok_s'])} | "
+                     f"{', '.join(f'{x:.1f}' for x in t['candidate_tok_s'])} | "
+                     f"{c['acceptance'][w]:.3f} | {_fmt(util, 2)} |")
+    lines += ["", f"**SpecScore {c['specscore']:.3f}** (geometric mean of the workload ratios) · "
+              f"score {c['score']:.3f} · gate: {'PASS' if c['reason'] is None else 'FAIL (' + c['reason'] + ')'}", ""]
+    lk, am, m = c["likelihood"], c["argmax"], c["memory"]
+    lines += ["| check | measured | limit | verdict |", "|---|---|---|---|",
+              f"| memory | candidate {m['peak_mib']:.1f} MiB vs stock {m['stock_peak_mib']:.1f} MiB ({m['how']}) | <= stock + {L['memory_slack_mib']:.0f} MiB | {ok(c['checks']['memory'])} |",
+              f"| fidelity | {c['fidelity']:.2e} mean abs log-prob diff | <= {L['fidelity_ceiling']} | {ok(c['checks']['fidelity'])} |",
+              f"| likelihood | gap {lk['gap']:+.4f} ± {1.96 * lk['se']:.4f} (cand {lk['candidate']:.4f}, stock {lk['stock']:.4f}) | ±{L['likelihood_bound']} | {ok(c['checks']['likelihood'])} |",
+              f"| argmax | gap {am['gap']:+.4f} ± {1.96 * am['se']:.4f} (cand {am['candidate']:.4f}, stock {am['stock']:.4f}) | ±{L['argmax_bound']} | {ok(c['checks']['argmax'])} |",
+              f"| greedy_agreement | {c['greedy_agreement']:.4f} | floor {_fmt(L['greedy_agreement_floor'])} | {ok(c['checks'].get('greedy_agreement', True))} |",
+              f"| sampled_agreement | {c['sampled_agreement']:.4f} | reported | - |"]
+    for w, v in c["lengths"].items():
+        lines.append(f"| lengths/{w} | {v['ratio']:.3f} [{v['low']:.3f}, {v['high']:.3f}] | 1 ± {L['length_margin']} | {ok(c['checks']['lengths'])} |")
+    lines += ["", "Acceptance by draft position (share of verify steps accepting draft j):", ""]
+    for w, per in c["acceptance_by_position"].items():
+        lines.append(f"- {w}: " + ", ".join(f"d{j + 1} {x:.3f}" for j, x in enumerate(per)))
+    lines += ["", "Per-step time (ms, median over passes; draft + verify + accept run as one program):", ""]
+    for w, sp in c["step_time_ms"].items():
+        lines.append(f"- {w}: stock step {sp['stock']['step_s']:.2f} + host {sp['stock']['host_s']:.2f}; "
+                     f"candidate step {sp['candidate']['step_s']:.2f} + host {sp['candidate']['host_s']:.2f}; "
+                     f"prefill/request stock {sp['stock']['prefill_ms_per_request']:.1f}, candidate {sp['candidate']['prefill_ms_per_request']:.1f}")
+    if c.get("draft_verify_ms"):
+        dv = c["draft_verify_ms"]
+        lines.append(f"- split at batch {dv['batch']}: draft {dv['draft_ms']:.2f} ms, verify forward {dv['verify_ms']:.2f} ms, decode forward {dv['decode_ms']:.2f} ms")
+    return "\n".join(lines) + "\n"
+
+
+def plot(c: dict, out_dir: str) -> list[str]:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    paths = []
+    ws = list(c["throughput"])
+    fig, axes = plt.subplots(1, len(ws), figsize=(4 * len(ws), 3.2), squeeze=False)
+    for ax, w in zip(axes[0], ws):
+        t = c["throughput"][w]
+        n = len(t["stock_tok_s"])
+        ax.bar([i - 0.2 for i in range(n)], t["stock_tok_s"], 0.4, label="stock")
+        ax.bar([i + 0.2 for i in range(n)], t["candidate_tok_s"], 0.4, label="candidate")
+        ax.set_title(f"{w}: ratio {c['ratios'][w]['ratio']:.3f}")
+        ax.set_xlabel("pass")
+        ax.set_ylabel("tokens / s")
+        ax.set_xticks(range(n))
+    axes[0][0].legend()
+    fig.tight_layout()
+    p = os.path.join(out_dir, "throughput.png")
+    fig.savefig(p, dpi=100)
+    plt.close(fig)
+    paths.append(p)
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    for w, per in c["acceptance_by_position"].items():
+        ax.plot(range(1, len(per) + 1), per, marker="o", label=w)
+    ax.set_xlabel("draft position")
+    ax.set_ylabel("acceptance rate")
+    ax.set_ylim(0, 1)
+    ax.legend()
+    fig.tight_layout()
+    p = os.path.join(out_dir, "acceptance.png")
+    fig.savefig(p, dpi=100)
+    plt.close(fig)
+    paths.append(p)
+    return paths
+
+
+def write(c: dict, out_dir: str) -> None:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "card.json"), "w") as f:
+        json.dump(c, f, indent=2, default=float)
+    with open(os.path.join(out_dir, "card.md"), "w") as f:
+        f.write(render_md(c))
+    plot(c, out_dir)
