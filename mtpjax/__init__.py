@@ -9,3 +9,7 @@ from mtpjax.engine import Engine, RequestOutput, RequestStats  # noqa: E402
 from mtpjax.sampling import SamplingParams  # noqa: E402
 
 __all__ += ["Engine", "RequestOutput", "RequestStats", "SamplingParams"]
+from mtpjax.text import (StreamDecoder, TextEngine, TextOutput, Tokenizer,  # noqa: E402
+                         apply_chat_template)
+
+__all__ += ["StreamDecoder", "TextEngine", "TextOutput", "Tokenizer", "apply_chat_template"]

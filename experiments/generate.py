@@ -1,0 +1,126 @@
+"""`python -m experiments generate --prompt=TEXT [--chat] [--checkpoint=checkpoints/tiny] ...`
+
+Streams the decoded continuation of one prompt to stdout as the engine emits tokens (MTP
+speculation on by default, `--num_speculative_tokens=0` for the stock engine), then prints one
+stats line:
+
+    [stats] tokens=N finish=... time=Xs tok/s=... ttft=Xs decode_tok/s=... acceptance=a
+    (accepted/drafted) tokens/step=... k=...
+
+`time` and `ttft` include compiling the prefill/decode programs on the first call; add
+`--warmup` to run the request once unmeasured first. With `--chat` the prompt is a user message
+rendered with the Qwen3.5 ChatML template (`--system`, `--enable_thinking`) and generation
+stops at `<|im_end|>`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+import time
+
+from absl import flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("checkpoint", "checkpoints/tiny", "checkpoint folder (HF safetensors or "
+                    "converted) with tokenizer.json")
+flags.DEFINE_string("prompt", "def fibonacci(n):", "prompt text (the user message with --chat)")
+flags.DEFINE_boolean("chat", False, "wrap the prompt in the ChatML chat template")
+flags.DEFINE_string("system", None, "system message (with --chat)")
+flags.DEFINE_boolean("enable_thinking", True, "chat template: open a <think> block (Qwen3.5 "
+                     "default) or an empty one")
+flags.DEFINE_integer("num_speculative_tokens", 1, "MTP draft tokens per step (0 = no "
+                     "speculation)")
+flags.DEFINE_integer("max_new_tokens", 128, "tokens to generate at most")
+flags.DEFINE_float("temperature", 0.0, "0 = greedy")
+flags.DEFINE_integer("top_k", 0, "0 = off")
+flags.DEFINE_float("top_p", 1.0, "1.0 = off")
+flags.DEFINE_integer("seed", 0, "sampling seed")
+flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute dtype")
+flags.DEFINE_integer("max_seq_len", 0, "context limit of the engine's cache; 0 = prompt + "
+                     "max_new_tokens")
+flags.DEFINE_string("kernels", None, "gdn/attention kernels (default: pallas on GPU, "
+                    "reference elsewhere)")
+flags.DEFINE_boolean("skip_special_tokens", False, "leave special tokens out of the text")
+flags.DEFINE_boolean("warmup", False, "run the request once first so that the stats exclude "
+                     "compilation")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise SystemExit(f"unexpected arguments: {' '.join(argv[1:])}")
+    import mtpjax
+    from mtpjax.sampling import SamplingParams
+    from mtpjax.text import TextEngine, Tokenizer, apply_chat_template
+
+    path = FLAGS.checkpoint
+    if not os.path.isdir(path):
+        hint = (" (train it with `python -m experiments train_tiny`)"
+                if os.path.normpath(path) == os.path.normpath("checkpoints/tiny") else "")
+        raise SystemExit(f"checkpoint folder not found: {path}{hint}; pass --checkpoint=DIR")
+    try:
+        tok = Tokenizer.from_checkpoint(path)
+    except (FileNotFoundError, ValueError) as e:
+        raise SystemExit(str(e))
+
+    if FLAGS.chat:
+        msgs = ([{"role": "system", "content": FLAGS.system}] if FLAGS.system else [])
+        msgs.append({"role": "user", "content": FLAGS.prompt})
+        prompt_text = apply_chat_template(msgs, True, FLAGS.enable_thinking)
+    else:
+        prompt_text = FLAGS.prompt
+    prompt_ids = tok.encode(prompt_text)
+    if not prompt_ids:
+        raise SystemExit("the prompt encodes to no tokens")
+
+    t0 = time.perf_counter()
+    cfg, params = mtpjax.load_checkpoint(path, FLAGS.dtype)
+    max_seq_len = FLAGS.max_seq_len or len(prompt_ids) + FLAGS.max_new_tokens + 1
+    max_seq_len = max(2, min(max_seq_len, cfg.max_position_embeddings))
+    engine = mtpjax.Engine(cfg, params, num_speculative_tokens=FLAGS.num_speculative_tokens,
+                           max_lanes=1, max_seq_len=max_seq_len, kernels=FLAGS.kernels)
+    text_engine = TextEngine(engine, tok, skip_special_tokens=FLAGS.skip_special_tokens)
+    print(f"[load] {path}: {cfg.num_layers} layers, vocab {cfg.vocab_size}, "
+          f"{FLAGS.dtype}, k={engine.k}, kernels={engine.kernels}, prompt {len(prompt_ids)} "
+          f"tokens, {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
+
+    sp = SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
+                        max_new_tokens=FLAGS.max_new_tokens, seed=FLAGS.seed)
+    if FLAGS.chat:
+        sp = dataclasses.replace(sp, stop_token_ids=tok.stop_ids())
+    if FLAGS.warmup:
+        text_engine.generate([prompt_ids], sp)
+
+    first = []
+
+    def on_token(i, new):
+        if not first:
+            first.append(time.perf_counter())
+
+    def on_text(i, piece):
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    t0 = time.perf_counter()
+    (out,) = text_engine.generate([prompt_ids], sp, on_text=on_text, on_token=on_token)
+    t1 = time.perf_counter()
+    sys.stdout.write("\n")
+    if out.error:
+        print(f"[error] {out.error}", flush=True)
+        raise SystemExit(1)
+    n = len(out.token_ids)
+    st = out.stats
+    ttft = (first[0] - t0) if first else float("nan")
+    rest = t1 - first[0] if first else 0.0
+    decode_tps = (n - 1) / rest if n > 1 and rest > 0 else float("nan")
+    if engine.k:
+        acc = (f"acceptance={st.accepted_tokens / max(st.drafted_tokens, 1):.3f} "
+               f"({st.accepted_tokens}/{st.drafted_tokens}) "
+               f"per_position={st.accepted_per_position} "
+               f"tokens/step={st.tokens_per_step:.2f}")
+    else:
+        acc = "acceptance=n/a (k=0)"
+    print(f"[stats] tokens={n} finish={out.finish_reason} time={t1 - t0:.2f}s "
+          f"tok/s={n / (t1 - t0):.1f} ttft={ttft:.2f}s decode_tok/s={decode_tps:.1f} {acc} "
+          f"k={engine.k}", flush=True)
