@@ -233,32 +233,40 @@ def _prefill_lp(cfg, params, cache, tokens, kernels):
     return jax.nn.log_softmax(model.lm_head(params, h[:, -1]), -1), cache
 
 
+def path_logprobs(cfg, params, prompt, cont, T: int, kernels: str = "reference"):
+    """Teacher-forced log-probs of cont[:, 1:] after prefilling `prompt`, fed T tokens per step.
+
+    prompt i32[B, P]; cont i32[B, n+1] with n a multiple of T. T = 1 is the stock decode path,
+    T = k+1 the candidate's verify path. Returns float32 [B, n, V] log-probs.
+    """
+    prompt, cont = jnp.asarray(prompt, jnp.int32), jnp.asarray(cont, jnp.int32)
+    (B, P), n = prompt.shape, cont.shape[1] - 1
+    cache = model.init_cache(cfg, B, P + n + 2, T, params.embed.dtype)
+    _, cache = _prefill_lp(cfg, params, cache, prompt, kernels)
+    got = []
+    for s in range(0, n, T):
+        lp, cache = _step_logprobs(cfg, params, cache, cont[:, s:s + T],
+                                   jnp.full((B,), P + s, jnp.int32), T=T, kernels=kernels)
+        got.append(np.asarray(lp))
+    return np.concatenate(got, axis=1)
+
+
 def fidelity(cfg, params, texts, jc: JudgeConfig, kernels: str) -> float:
     """Mean |log p_verify - log p_decode| of the true next tokens over the fixed texts.
 
     Both paths prefill the same prompt; then stock feeds the continuation one token per step
-    (decode path), candidate k+1 tokens per step (verify path), teacher-forced; the n tokens
-    after the first continuation token are compared.
+    (decode path), candidate k+1 tokens per step (verify path), teacher-forced.
     """
     k = jc.k
     n = (jc.fidelity_tokens // (k + 1)) * (k + 1)
     P = min(len(p) for p, _ in texts)
     rows = [(p[-P:], c[:n + 1]) for p, c in texts if len(c) > n]
-    prompt = jnp.asarray([r[0] for r in rows], jnp.int32)
-    cont = jnp.asarray([r[1] for r in rows], jnp.int32)                 # [B, n+1]
-    B = prompt.shape[0]
-    lps = {}
-    for T in (1, k + 1):
-        cache = model.init_cache(cfg, B, P + n + 2, T, params.embed.dtype)
-        _, cache = _prefill_lp(cfg, params, cache, prompt, kernels)
-        got = []
-        for s in range(0, n, T):
-            lp, cache = _step_logprobs(cfg, params, cache, cont[:, s:s + T],
-                                       jnp.full((B,), P + s, jnp.int32), T=T, kernels=kernels)
-            got.append(jnp.take_along_axis(lp, cont[:, s + 1:s + T + 1, None], -1)[..., 0])
-        lps[T] = np.concatenate([np.asarray(g) for g in got], axis=1)    # [B, n]
-    diffs = np.abs(lps[k + 1] - lps[1])
-    return float(diffs.mean())
+    prompt = np.asarray([r[0] for r in rows], np.int32)
+    cont = np.asarray([r[1] for r in rows], np.int32)                   # [B, n+1]
+    idx = cont[:, 1:, None]
+    lp = {T: np.take_along_axis(path_logprobs(cfg, params, prompt, cont, T, kernels), idx, -1)
+          for T in (1, k + 1)}
+    return float(np.abs(lp[k + 1] - lp[1]).mean())
 
 
 def score_replies(cfg, params, prompts, replies):
