@@ -13,8 +13,16 @@ Every call describes its tokens with a `Segment`: lane b holds tokens[b, :n_vali
 absolute positions start[b] + t; the rest of the row is padding that touches no state. So one
 compiled program serves a batch of unequal prompts (right padding) and idle lanes (n_valid 0).
 
-The cache goes in and comes back out (donate it at the jit boundary). KV storage is swappable:
-`ContiguousKV` ([lanes, max_len] per layer) here; the paged pool plugs in through `kv_attend`.
+The cache goes in and comes back out (donate it at the jit boundary). KV storage is swappable,
+chosen by the storage type in `kv_attend`:
+  `ContiguousKV` [n_layers, lanes, max_len, NKV, HD]: no page table; the teacher-forced entry
+      points (`api.forward_logits`, `api.mtp_logits`) and the path-equivalence tests use it.
+  `PagedKV` [n_layers, NKV, num_pages, page_size, HD]: the engine's pool. Every layer (and the
+      MTP layer) shares one page table per lane, `Segment.page_table` i32[B, pages_per_lane]:
+      token position p of lane b lives in page page_table[b, p // page_size], slot
+      p % page_size. Written with `pallas_kernels.write_kv`, read with
+      `paged_attention_reference` (kernels "reference") or the Pallas `paged_attention`
+      ("pallas", or "interpret" for the Pallas interpreter on CPU).
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+import pallas_kernels as pk
 from mtpjax import gdn as gdn_math
 from mtpjax.config import FULL, Config
 from mtpjax.params import FullLayer, GdnParams, LinearLayer, MlpParams, Params, AttnParams
@@ -51,6 +60,23 @@ class ContiguousKV:
     v: jax.Array
 
 
+@_pytree(static=("page_size",))
+class PagedKV:
+    """Paged K/V pool shared by all lanes. Leaves: [n_layers, NKV, num_pages, page_size, HD].
+
+    Which page holds which lane's tokens is not stored here: the page table travels in the
+    `Segment` of each call (the host allocator owns it, see kv_pool.py). Pages no lane owns
+    hold garbage (tests fill them with NaN); reads never look past a lane's length.
+    """
+    k: jax.Array
+    v: jax.Array
+    page_size: int
+
+    @property
+    def num_pages(self) -> int:
+        return self.k.shape[-3]
+
+
 @_pytree
 class GdnCache:
     """Gated DeltaNet state of every linear layer, stacked: leading axis n_linear_layers.
@@ -71,9 +97,9 @@ class GdnCache:
 
 @_pytree
 class Cache:
-    full: ContiguousKV          # stacked over full-attention layers
-    linear: GdnCache            # stacked over GDN layers
-    mtp: ContiguousKV | None    # the MTP layer's own KV ([1, B, S, NKV, HD])
+    full: ContiguousKV | PagedKV        # stacked over full-attention layers
+    linear: GdnCache                    # stacked over GDN layers
+    mtp: ContiguousKV | PagedKV | None  # the MTP layer's own KV (leading axis 1)
     n_pend: jax.Array           # i32[B]: pending tokens to replay at the next step (all layers)
 
     @property
@@ -88,15 +114,33 @@ def init_cache(cfg: Config, batch: int, max_len: int, num_pending: int = 1,
     num_pending = k + 1 for a speculative engine with k drafts (1 for plain decoding).
     """
     dt = jnp.dtype(dtype)
-    kc = cfg.linear_conv_kernel_dim - 1
-    nl, nf = cfg.num_linear_layers, cfg.num_full_layers
-    nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    P = num_pending
 
     def kv(n):
         shape = (n, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
         return ContiguousKV(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
 
+    return _cache(cfg, batch, num_pending, dt, kv)
+
+
+def init_paged_cache(cfg: Config, lanes: int, num_pages: int, page_size: int,
+                     num_pending: int = 1, dtype="float32") -> Cache:
+    """An empty engine cache: a KV pool of `num_pages` pages of `page_size` tokens for the
+    full-attention layers and the MTP layer, and GDN state in `lanes` per-lane slots."""
+    if page_size < 1 or num_pages < 1:
+        raise ValueError(f"page_size and num_pages must be >= 1, got {page_size}, {num_pages}")
+    dt = jnp.dtype(dtype)
+
+    def kv(n):
+        shape = (n, cfg.num_key_value_heads, num_pages, page_size, cfg.head_dim)
+        return PagedKV(jnp.zeros(shape, dt), jnp.zeros(shape, dt), page_size)
+
+    return _cache(cfg, lanes, num_pending, dt, kv)
+
+
+def _cache(cfg: Config, batch: int, P: int, dt, kv) -> Cache:
+    kc = cfg.linear_conv_kernel_dim - 1
+    nl, nf = cfg.num_linear_layers, cfg.num_full_layers
+    nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     f32 = jnp.float32
     return Cache(
         full=kv(nf),
@@ -115,9 +159,15 @@ def init_cache(cfg: Config, batch: int, max_len: int, num_pending: int = 1,
 
 @_pytree
 class Segment:
-    """Which tokens of a [B, T] call are real: lane b has n_valid[b] tokens from position start[b]."""
+    """Which tokens of a [B, T] call are real: lane b has n_valid[b] tokens from position start[b].
+
+    page_table (paged KV only): i32[B, pages_per_lane], the pool pages of each lane in position
+    order. Every page that holds a position < start + n_valid must be allocated; unallocated
+    entries should hold num_pages (out of range), which makes a stray write a no-op.
+    """
     start: jax.Array    # i32[B]
     n_valid: jax.Array  # i32[B]
+    page_table: jax.Array | None = None
 
     @staticmethod
     def full(batch: int, length: int) -> "Segment":
@@ -179,12 +229,35 @@ def apply_rope(x, cos, sin, rd):
 # Attention storage: write + attend (the part the paged pool replaces)
 # --------------------------------------------------------------------------------------------
 
-def kv_attend(kv: ContiguousKV, q, k, v, seg: Segment, sm_scale: float):
+def kv_attend(kv: ContiguousKV | PagedKV, q, k, v, seg: Segment, sm_scale: float,
+              kernels: str = "reference"):
     """Write this call's K/V into one layer's storage and attend causally.
 
-    kv: one layer, leaves [B, S, NKV, HD]; q [B, T, NQ, HD]; k, v [B, T, NKV, HD].
-    Returns o [B, T, NQ, HD] (f32 softmax) and the updated storage.
+    kv: one layer (ContiguousKV leaves [B, S, NKV, HD], or PagedKV leaves
+    [NKV, num_pages, page_size, HD] with seg.page_table); q [B, T, NQ, HD]; k, v [B, T, NKV, HD].
+    Returns o [B, T, NQ, HD] (f32 softmax) and the updated storage. Rows t >= n_valid are
+    padding: they write nothing (their output is unspecified, zeros on the paged path).
     """
+    if isinstance(kv, PagedKV):
+        return _paged_attend(kv, q, k, v, seg, sm_scale, kernels)
+    return _contiguous_attend(kv, q, k, v, seg, sm_scale)
+
+
+def _paged_attend(kv: PagedKV, q, k, v, seg: Segment, sm_scale: float, kernels: str):
+    if seg.page_table is None:
+        raise ValueError("paged KV storage needs a Segment with a page_table")
+    kv_lens = seg.start + seg.n_valid     # tokens in the cache after this call's write
+    k_pages, v_pages = pk.write_kv(kv.k, kv.v, k, v, seg.page_table, kv_lens, seg.n_valid)
+    if kernels == "reference":
+        o = pk.paged_attention_reference(q, k_pages, v_pages, seg.page_table, kv_lens,
+                                         seg.n_valid, sm_scale=sm_scale)
+    else:
+        o = pk.paged_attention(q, k_pages, v_pages, seg.page_table, kv_lens, seg.n_valid,
+                               sm_scale=sm_scale, interpret=kernels == "interpret")
+    return o, PagedKV(k_pages, v_pages, kv.page_size)
+
+
+def _contiguous_attend(kv: ContiguousKV, q, k, v, seg: Segment, sm_scale: float):
     B, T, NQ, HD = q.shape
     S, NKV = kv.k.shape[1], kv.k.shape[2]
     t = jnp.arange(T)
@@ -206,7 +279,8 @@ def kv_attend(kv: ContiguousKV, q, k, v, seg: Segment, sm_scale: float):
     return o.reshape(B, T, NQ, HD), ContiguousKV(k_all, v_all)
 
 
-def attention_block(cfg: Config, p: AttnParams, x, kv, seg: Segment, cos, sin):
+def attention_block(cfg: Config, p: AttnParams, x, kv, seg: Segment, cos, sin,
+                    kernels: str = "reference"):
     """Gated full attention (spec §3.4). x [B, T, H] (already normed)."""
     B, T, _ = x.shape
     nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
@@ -216,7 +290,7 @@ def attention_block(cfg: Config, p: AttnParams, x, kv, seg: Segment, cos, sin):
     v = dense(x, p.v_proj).reshape(B, T, nkv, hd)
     q = apply_rope(rmsnorm_1p(q, p.q_norm, cfg.rms_norm_eps), cos, sin, cfg.rotary_dim)
     k = apply_rope(rmsnorm_1p(k, p.k_norm, cfg.rms_norm_eps), cos, sin, cfg.rotary_dim)
-    o, kv = kv_attend(kv, q, k, v, seg, hd ** -0.5)
+    o, kv = kv_attend(kv, q, k, v, seg, hd ** -0.5, kernels)
     o = o.reshape(B, T, nq * hd) * jax.nn.sigmoid(gate.reshape(B, T, nq * hd))
     return dense(o, p.o_proj), kv
 
@@ -302,9 +376,9 @@ def gdn_block(cfg: Config, p: GdnParams, x, c: GdnCache, n_pend, seg: Segment, m
 # Decoder layers and the whole model
 # --------------------------------------------------------------------------------------------
 
-def full_layer(cfg, p: FullLayer, h, kv, seg, cos, sin):
+def full_layer(cfg, p: FullLayer, h, kv, seg, cos, sin, kernels="reference"):
     x, kv = attention_block(cfg, p.attn, rmsnorm_1p(h, p.input_layernorm, cfg.rms_norm_eps),
-                            kv, seg, cos, sin)
+                            kv, seg, cos, sin, kernels)
     h = h + x
     h = h + mlp_block(p.mlp, rmsnorm_1p(h, p.post_attention_layernorm, cfg.rms_norm_eps))
     return h, kv
@@ -353,7 +427,7 @@ def forward(cfg: Config, params: Params, cache: Cache, tokens, seg: Segment, mod
             if kind == FULL:
                 p_i = jax.tree.map(lambda a: a[i_f], fp)
                 kv_i = jax.tree.map(lambda a: a[i_f], fkv)
-                h, kv_i = full_layer(cfg, p_i, h, kv_i, seg, cos, sin)
+                h, kv_i = full_layer(cfg, p_i, h, kv_i, seg, cos, sin, kernels)
                 fkv_out.append(kv_i)
                 i_f += 1
             else:
@@ -380,7 +454,8 @@ def lm_head(params: Params, h):
     return jnp.einsum("...i,vi->...v", h, w, preferred_element_type=jnp.float32)
 
 
-def mtp_forward(cfg: Config, params: Params, cache: Cache, h_prev, next_tokens, seg: Segment):
+def mtp_forward(cfg: Config, params: Params, cache: Cache, h_prev, next_tokens, seg: Segment,
+                kernels: str = "reference"):
     """One MTP pass over aligned pairs (spec §5.1-5.2).
 
     h_prev [B, T, H]: post-norm hidden states (the target's, or the MTP's own when chaining);
@@ -396,6 +471,6 @@ def mtp_forward(cfg: Config, params: Params, cache: Cache, h_prev, next_tokens, 
     positions = seg.start[:, None] + jnp.arange(next_tokens.shape[1])[None, :]
     cos, sin = rope_cos_sin(cfg, positions, x.dtype)
     kv = jax.tree.map(lambda a: a[0], cache.mtp)
-    x, kv = full_layer(cfg, m.layer, x, kv, seg, cos, sin)
+    x, kv = full_layer(cfg, m.layer, x, kv, seg, cos, sin, kernels)
     mtp_kv = jax.tree.map(lambda a: a[None], kv)
     return rmsnorm_1p(x, m.norm, eps), dataclasses.replace(cache, mtp=mtp_kv)

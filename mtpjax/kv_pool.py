@@ -1,0 +1,124 @@
+"""Host-side page allocator for the paged KV pool (`model.PagedKV`).
+
+The device holds one pool of `num_pages` pages of `page_size` tokens per attention layer; every
+layer and the MTP layer use the same page ids, so one page table per lane serves them all. This
+module owns that table as a numpy array, i32[max_lanes, pages_per_lane]: entry j of lane b is
+the page that holds the lane's positions [j * page_size, (j + 1) * page_size). Entries a lane
+does not own hold `num_pages` (out of range): `pallas_kernels.write_kv` drops writes routed
+there, so a missing reservation can never overwrite another lane's page.
+
+Pages are allocated incrementally as a sequence grows (`reserve(lane, n_tokens)` makes sure
+positions [0, n_tokens) have pages) and all freed at once when the lane's request ends or is
+preempted (`free(lane)`). Freed pages go on top of a LIFO free list, so page tables become
+scrambled permutations of the pool after a little churn (the kernels must not care).
+
+How many tokens a step touches is the caller's business; `tokens_touched_*` below are the rules
+for the engine's programs (see steps.py): a decode step with k drafts writes target KV at
+pos..pos+k and MTP KV at pos..pos+2k-1.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class OutOfPagesError(RuntimeError):
+    """The pool cannot cover a reservation: `needed` more pages, only `free` left."""
+
+    def __init__(self, lane: int, needed: int, free: int, total: int, page_size: int):
+        self.lane, self.needed, self.free, self.total = lane, needed, free, total
+        super().__init__(f"out of pages: lane {lane} needs {needed} more page(s) of "
+                         f"{page_size} tokens, {free} free of {total}")
+
+
+def pages_for(n_tokens: int, page_size: int) -> int:
+    return -(-max(int(n_tokens), 0) // page_size)
+
+
+def tokens_touched_prefill(end: int, is_last: bool, k: int) -> int:
+    """KV positions [0, result) written by a prefill chunk ending at `end` (exclusive).
+
+    The last chunk also runs the k-1 chained MTP drafts at end .. end+k-2.
+    """
+    return end + (max(k - 1, 0) if is_last else 0)
+
+
+def tokens_touched_decode(pos: int, k_step: int, k: int) -> int:
+    """KV positions [0, result) written by a decode step at `pos` verifying `k_step` drafts
+    on an engine that drafts `k`: target pos..pos+k_step, MTP pos..pos+a then (k_step > 0)
+    k-1 chained drafts, at most pos + k_step + k - 1."""
+    return pos + 1 + (k_step + k - 1 if k_step > 0 else 0)
+
+
+class PageAllocator:
+    """Free list + per-lane page tables for a pool of `num_pages` pages."""
+
+    def __init__(self, num_pages: int, page_size: int, max_lanes: int, pages_per_lane: int):
+        for name, v in (("num_pages", num_pages), ("page_size", page_size),
+                        ("max_lanes", max_lanes), ("pages_per_lane", pages_per_lane)):
+            if v < 1:
+                raise ValueError(f"{name} must be >= 1, got {v}")
+        self.num_pages, self.page_size = num_pages, page_size
+        self.max_lanes, self.pages_per_lane = max_lanes, pages_per_lane
+        self.table = np.full((max_lanes, pages_per_lane), num_pages, np.int32)
+        self._owned = [0] * max_lanes              # pages held by each lane (a table prefix)
+        self._free = list(range(num_pages - 1, -1, -1))   # pop() hands out 0, 1, 2, ... first
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_pages(self) -> int:
+        return self.num_pages - len(self._free)
+
+    def owned(self, lane: int) -> int:
+        return self._owned[lane]
+
+    def capacity(self, lane: int) -> int:
+        """Tokens the lane's pages cover now."""
+        return self._owned[lane] * self.page_size
+
+    def needed(self, lane: int, n_tokens: int) -> int:
+        """More pages the lane needs so that positions [0, n_tokens) are covered."""
+        want = pages_for(n_tokens, self.page_size)
+        if want > self.pages_per_lane:
+            raise ValueError(f"lane {lane}: {n_tokens} tokens exceed the per-lane page table "
+                             f"({self.pages_per_lane} pages of {self.page_size} tokens)")
+        return max(want - self._owned[lane], 0)
+
+    def can_reserve(self, lane: int, n_tokens: int) -> bool:
+        return self.needed(lane, n_tokens) <= len(self._free)
+
+    def reserve(self, lane: int, n_tokens: int) -> int:
+        """Allocate pages so that lane positions [0, n_tokens) are covered; returns how many
+        pages were added. Raises OutOfPagesError (and allocates nothing) when short."""
+        need = self.needed(lane, n_tokens)
+        if need > len(self._free):
+            raise OutOfPagesError(lane, need, len(self._free), self.num_pages, self.page_size)
+        for _ in range(need):
+            self.table[lane, self._owned[lane]] = self._free.pop()
+            self._owned[lane] += 1
+        return need
+
+    def free(self, lane: int) -> int:
+        """Return all of the lane's pages to the pool; returns how many."""
+        n = self._owned[lane]
+        self._free.extend(int(p) for p in self.table[lane, :n][::-1])
+        self.table[lane] = self.num_pages
+        self._owned[lane] = 0
+        return n
+
+    def free_page_ids(self) -> np.ndarray:
+        return np.array(sorted(self._free), np.int32)
+
+    def check(self) -> None:
+        """Invariants (tests): every page is either free or owned by exactly one lane."""
+        owned = [int(p) for b in range(self.max_lanes) for p in self.table[b, :self._owned[b]]]
+        allp = owned + list(self._free)
+        if sorted(allp) != list(range(self.num_pages)):
+            raise AssertionError(f"page accounting broken: owned {sorted(owned)}, "
+                                 f"free {sorted(self._free)}")
+        for b in range(self.max_lanes):
+            if np.any(self.table[b, self._owned[b]:] != self.num_pages):
+                raise AssertionError(f"lane {b} has table entries past its owned pages")
