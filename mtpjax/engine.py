@@ -1,22 +1,31 @@
-"""The serving engine: lanes, a request queue, and the host loop around the step programs.
+"""The serving engine: lanes, a paged KV pool, and the host loop around the step programs.
 
 The engine knows nothing about XLA beyond calling `steps.prefill_chunk` and
-`steps.decode_step`; it owns the host-side bookkeeping: validation (bad requests end with
-finish_reason "error" and never touch the device), lane assignment, stop conditions, and
-per-request speculation statistics. The same code with num_speculative_tokens = 0 is the stock
-engine the judge compares against.
+`steps.decode_step`, and nothing about scheduling beyond asking `scheduler.Scheduler` for a
+plan: validation (bad requests end with finish_reason "error" and never touch the device),
+running the plan, reading back tokens. The same code with num_speculative_tokens = 0 is the
+stock engine the judge compares against.
 
-Host loop:
-  1. admit queued requests into free lanes; prefill each in chunks (bucketed lengths)
-  2. one `decode_step` over all lanes (idle lanes are padding)
-  3. read back the emitted tokens, apply stop conditions, free finished lanes
+Host loop (one iteration):
+  1. `Scheduler.schedule()`: cancellations, admission by page budget, page reservation for this
+     iteration's writes (preemption by recompute when the pool is short), speculation depth
+  2. at most one prefill chunk (one lane, bucketed length) -> its first token on the last chunk
+  3. one `decode_step` over the decoding lanes (prefilling and empty lanes are padding),
+     verifying K drafts or 0 (policy)
+  4. read back the emitted tokens; the scheduler applies stop conditions, streams them to
+     on_token and frees finished lanes' pages
+
+Device state: `model.Cache` with a `PagedKV` pool ([n_layers, NKV, num_pages, page_size, HD],
+target full-attention layers and the MTP layer) plus per-lane GDN slots, and `steps.LaneState`.
+The page table (kv_pool.PageAllocator.table) is sent with every program call.
+
+Compiled programs: one prefill program per chunk bucket (8, 16, ... prefill_chunk) and one
+decode program per speculation depth used (K and 0); `stats()["compiled_programs"]`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from collections import deque
 from typing import Callable, Sequence
 
 import jax
@@ -26,42 +35,15 @@ import numpy as np
 from mtpjax import model, steps
 from mtpjax.config import Config
 from mtpjax.gdn import check_kernels
+from mtpjax.kv_pool import OutOfPagesError, PageAllocator, pages_for
 from mtpjax.params import Params
 from mtpjax.sampling import LaneSampling, SamplingParams
+from mtpjax.scheduler import (FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP,
+                              Plan, Policy, PrefillWork, Request, RequestOutput, RequestStats,
+                              Scheduler, SpeculationPolicy)
 
-FINISH_STOP, FINISH_LENGTH, FINISH_ERROR = "stop", "length", "error"
-
-
-@dataclasses.dataclass
-class RequestStats:
-    verify_steps: int = 0
-    drafted_tokens: int = 0
-    accepted_tokens: int = 0
-    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
-
-    @property
-    def tokens_per_step(self) -> float:
-        return (self.accepted_tokens + self.verify_steps) / max(self.verify_steps, 1)
-
-
-@dataclasses.dataclass
-class RequestOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    finish_reason: str
-    error: str | None
-    stats: RequestStats
-
-
-@dataclasses.dataclass
-class _Active:
-    index: int
-    prompt: list[int]
-    params: SamplingParams
-    out: list[int]
-    stats: RequestStats
-    stops: frozenset[int]
-    done: str | None = None
+__all__ = ["Engine", "RequestOutput", "RequestStats", "SpeculationPolicy", "OutOfPagesError",
+           "FINISH_STOP", "FINISH_LENGTH", "FINISH_ERROR", "FINISH_CANCELLED", "default_kernels"]
 
 
 def default_kernels() -> str:
@@ -78,11 +60,20 @@ def _buckets(limit: int) -> list[int]:
 
 
 class Engine:
-    """Static-shape continuous batching over `max_lanes` lanes with MTP speculation."""
+    """Continuous batching over `max_lanes` lanes and a paged KV pool, with MTP speculation.
+
+    kernels: "reference" (plain jnp), "pallas" (Triton kernels) or "interpret" (the Pallas
+      interpreter, CPU tests); default: pallas on GPU, reference elsewhere.
+    page_size, num_pages: the KV pool; num_pages defaults to every lane at full context (no
+      preemption). A smaller pool admits by page budget and preempts by recompute.
+    speculation_policy: per-step choice between K and 0 drafts (scheduler.SpeculationPolicy).
+    """
 
     def __init__(self, cfg: Config, params: Params, *, num_speculative_tokens: int = 0,
                  max_lanes: int = 4, max_seq_len: int = 1024, prefill_chunk: int = 64,
-                 kernels: str | None = None, eos_token_ids: Sequence[int] | None = None):
+                 kernels: str | None = None, eos_token_ids: Sequence[int] | None = None,
+                 page_size: int = 16, num_pages: int | None = None,
+                 speculation_policy: Policy | None = None):
         k = int(num_speculative_tokens)
         if k < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
@@ -93,6 +84,10 @@ class Engine:
         if max_seq_len < 2 or max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len must be in [2, {cfg.max_position_embeddings}], "
                              f"got {max_seq_len}")
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be >= 1, got {prefill_chunk}")
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
         kernels = kernels or default_kernels()
         check_kernels(kernels)
         self.cfg, self.params, self.k = cfg, params, k
@@ -100,23 +95,35 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.chunk_buckets = _buckets(prefill_chunk)
         self.eos = tuple(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
+        self.policy = speculation_policy or SpeculationPolicy()
         self.dtype = params.embed.dtype
         # Room past the context limit for the k+1 verify slots and the k-1 chained MTP slots,
         # so that where a request stops does not depend on k.
-        self.cache = model.init_cache(cfg, max_lanes, max_seq_len + 2 * k + 1, k + 1, self.dtype)
+        self.pages_per_lane = pages_for(max_seq_len + 2 * k, page_size)
+        num_pages = max_lanes * self.pages_per_lane if num_pages is None else num_pages
+        if num_pages < 1:
+            raise ValueError(f"num_pages must be >= 1, got {num_pages}")
+        self.page_size, self.num_pages = page_size, num_pages
+        self.alloc = PageAllocator(num_pages, page_size, max_lanes, self.pages_per_lane)
+        self.cache = model.init_paged_cache(cfg, max_lanes, num_pages, page_size, k + 1,
+                                            self.dtype)
         self.state = steps.LaneState.empty(max_lanes, k)
-        self.timing = {"prefill_s": 0.0, "step_s": 0.0, "host_s": 0.0, "steps": 0}
+        self.timing = {"prefill_s": 0.0, "step_s": 0.0, "host_s": 0.0, "steps": 0,
+                       "plain_steps": 0, "prefill_chunks": 0}
+        self.preemptions = 0
         self._programs: set = set()
+        self._sched: Scheduler | None = None
 
     @classmethod
     def from_checkpoint(cls, path: str, dtype: str = "float32", num_speculative_tokens: int = 0,
                         **kw) -> "Engine":
+        """Load a checkpoint; kw (kernels, page_size, num_pages, max_lanes, ...) go to Engine."""
         from mtpjax.api import load_checkpoint
         cfg, params = load_checkpoint(path, dtype)
         return cls(cfg, params, num_speculative_tokens=num_speculative_tokens, **kw)
 
     # ---------------------------------------------------------------- validation
-    def _validate(self, prompt, params) -> str | None:
+    def _validate(self, prompt, params, sched: Scheduler) -> str | None:
         if not isinstance(params, SamplingParams):
             return f"sampling params must be a SamplingParams, got {type(params).__name__}"
         try:
@@ -131,6 +138,12 @@ class Engine:
         if len(prompt) >= self.max_seq_len:
             return (f"prompt too long: {len(prompt)} tokens, the context limit is "
                     f"{self.max_seq_len}")
+        need = sched.pages_worst_case(len(prompt), params.max_new_tokens)
+        if need > self.num_pages:
+            return (f"request cannot fit the KV pool: a prompt of {len(prompt)} tokens with "
+                    f"max_new_tokens={params.max_new_tokens} and {self.k} draft slots needs "
+                    f"up to {need} pages of {self.page_size} tokens, the pool has "
+                    f"{self.num_pages}")
         return None
 
     # ---------------------------------------------------------------- main entry
@@ -139,113 +152,98 @@ class Engine:
                  on_token: Callable[[int, list[int]], None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt (lists of token ids); one output per prompt, in order.
 
-        params: one SamplingParams for all, or one per prompt. on_token(i, new_ids) streams.
+        params: one SamplingParams for all, or one per prompt. on_token(i, new_ids) streams
+        each request's tokens as they are committed (i = index into prompts). To cancel
+        request i, call `engine.cancel(i)` (from on_token or another thread): it ends with
+        finish_reason "cancelled" and the tokens streamed so far.
         """
         prompts = [list(map(int, p)) for p in prompts]
         if isinstance(params, SamplingParams):
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        results: list[RequestOutput | None] = [None] * len(prompts)
-        queue = deque()
+        sched = Scheduler(self.alloc, k=self.k, max_seq_len=self.max_seq_len,
+                          prefill_chunk=self.prefill_chunk, policy=self.policy,
+                          on_token=on_token)
+        errors: dict[int, RequestOutput] = {}
         for i, (p, sp) in enumerate(zip(prompts, params)):
-            err = self._validate(p, sp)
+            err = self._validate(p, sp, sched)
             if err:
-                results[i] = RequestOutput(p, [], FINISH_ERROR, err, RequestStats())
+                errors[i] = RequestOutput(p, [], FINISH_ERROR, err, RequestStats())
             else:
                 stops = frozenset(sp.stop_token_ids) | frozenset(self.eos)
-                queue.append(_Active(i, p, sp, [], RequestStats(accepted_per_position=[0] * self.k),
-                                     stops))
-        lanes: list[_Active | None] = [None] * self.max_lanes
-        lane_params = [SamplingParams()] * self.max_lanes
+                sched.add(Request(i, p, sp, stops,
+                                  stats=RequestStats(accepted_per_position=[0] * self.k)))
+        self._sched = sched
+        try:
+            while sched.has_work():
+                t0 = time.perf_counter()
+                plan = sched.schedule()
+                self.timing["host_s"] += time.perf_counter() - t0
+                self._run(sched, plan)
+        finally:
+            sched.abort()
+            self.preemptions += sched.preemptions
+            self._sched = None
+        return [errors[i] if i in errors else sched.finished[i] for i in range(len(prompts))]
 
-        def finish(slot: int):
-            a = lanes[slot]
-            results[a.index] = RequestOutput(a.prompt, a.out, a.done, None, a.stats)
-            lanes[slot] = None
+    def cancel(self, request_id: int) -> None:
+        """Cancel request `request_id` (an index into the running generate call's prompts)."""
+        if self._sched is not None:
+            self._sched.cancel(request_id)
 
-        while queue or any(lanes):
-            for slot in range(self.max_lanes):
-                if lanes[slot] is None and queue:
-                    a = queue.popleft()
-                    lanes[slot] = a
-                    lane_params[slot] = a.params
-                    first = self._prefill(slot, a.prompt, LaneSampling.from_params(lane_params))
-                    self._emit(a, [first], on_token)
-                    if a.done:
-                        finish(slot)
-            if not any(lanes):
-                continue
-            active = np.array([a is not None for a in lanes])
+    # ---------------------------------------------------------------- pieces
+    def _lane_sampling(self, sched: Scheduler) -> LaneSampling:
+        return LaneSampling.from_params(
+            [ln.req.params if ln is not None else SamplingParams() for ln in sched.lanes])
+
+    def _run(self, sched: Scheduler, plan: Plan) -> None:
+        lanes = self._lane_sampling(sched) if (plan.prefill or plan.decode) else None
+        if plan.prefill is not None:
+            t0 = time.perf_counter()
+            first = self._prefill(plan.prefill, lanes)
+            t1 = time.perf_counter()
+            sched.prefill_done(plan.prefill, first)
+            self.timing["prefill_s"] += t1 - t0
+            self.timing["host_s"] += time.perf_counter() - t1
+        if plan.decode:
+            active = np.zeros(self.max_lanes, bool)
+            active[list(plan.decode)] = True
             t0 = time.perf_counter()
             self.cache, self.state, out, n_acc = steps.decode_step(
-                self.cfg, self.params, self.cache, self.state,
-                LaneSampling.from_params(lane_params), jnp.asarray(active),
-                k=self.k, kernels=self.kernels)
+                self.cfg, self.params, self.cache, self.state, lanes, jnp.asarray(active),
+                jnp.asarray(self.alloc.table), k=plan.k, kernels=self.kernels)
             out, n_acc = np.asarray(out), np.asarray(n_acc)
             t1 = time.perf_counter()
-            self._programs.add(("decode", self.k))
-            for slot, a in enumerate(lanes):
-                if a is None:
-                    continue
-                st = a.stats
-                if self.k:
-                    st.verify_steps += 1
-                    st.drafted_tokens += self.k
-                    st.accepted_tokens += int(n_acc[slot])
-                    for j in range(int(n_acc[slot])):
-                        st.accepted_per_position[j] += 1
-                self._emit(a, [int(t) for t in out[slot, :n_acc[slot] + 1]], on_token)
-                if a.done:
-                    finish(slot)
+            self._programs.add(("decode", plan.k))
+            for b in plan.decode:
+                sched.decode_done(b, [int(t) for t in out[b]], int(n_acc[b]), plan.k)
             self.timing["step_s"] += t1 - t0
             self.timing["host_s"] += time.perf_counter() - t1
             self.timing["steps"] += 1
-        return results
+            self.timing["plain_steps"] += plan.k == 0
 
-    # ---------------------------------------------------------------- pieces
-    def _prefill(self, slot: int, prompt: list[int], lanes: LaneSampling) -> int:
-        t0 = time.perf_counter()
-        n = len(prompt)
-        C = self.prefill_chunk
-        first = None
-        for start in range(0, n, C):
-            chunk = prompt[start:start + C]
-            nxt = prompt[start + 1:start + C + 1]
-            T = next(b for b in self.chunk_buckets if b >= len(chunk))
-            toks = np.zeros((1, T), np.int32)
-            toks[0, :len(chunk)] = chunk
-            nt = np.zeros((1, T), np.int32)
-            nt[0, :len(nxt)] = nxt
-            is_last = start + C >= n
-            self.cache, self.state, first = steps.prefill_chunk(
-                self.cfg, self.params, self.cache, self.state, lanes, jnp.int32(slot),
-                jnp.asarray(toks), jnp.asarray(nt), jnp.int32(start), jnp.int32(len(chunk)),
-                jnp.bool_(is_last), k=self.k, kernels=self.kernels)
-            self._programs.add(("prefill", T))
-        first = int(first)
-        self.timing["prefill_s"] += time.perf_counter() - t0
-        return first
-
-    def _emit(self, a: _Active, toks: list[int], on_token):
-        """Append tokens to a request up to its stop conditions."""
-        new = []
-        for t in toks:
-            new.append(t)
-            a.out.append(t)
-            if t in a.stops:
-                a.done = FINISH_STOP
-                break
-            if len(a.out) >= a.params.max_new_tokens:
-                a.done = FINISH_LENGTH
-                break
-            if len(a.prompt) + len(a.out) >= self.max_seq_len:
-                a.done = FINISH_LENGTH
-                break
-        if on_token and new:
-            on_token(a.index, new)
+    def _prefill(self, w: PrefillWork, lanes: LaneSampling) -> int | None:
+        n = len(w.tokens)
+        T = next(b for b in self.chunk_buckets if b >= n)
+        toks = np.zeros((1, T), np.int32)
+        toks[0, :n] = w.tokens
+        nt = np.zeros((1, T), np.int32)
+        nt[0, :len(w.next_tokens)] = w.next_tokens
+        self.cache, self.state, first = steps.prefill_chunk(
+            self.cfg, self.params, self.cache, self.state, lanes, jnp.int32(w.lane),
+            jnp.asarray(toks), jnp.asarray(nt), jnp.int32(w.start), jnp.int32(n),
+            jnp.bool_(w.is_last), jnp.asarray(self.alloc.table[w.lane:w.lane + 1]),
+            k=self.k, kernels=self.kernels)
+        self._programs.add(("prefill", T))
+        self.timing["prefill_chunks"] += 1
+        return int(first) if w.is_last else None
 
     def stats(self) -> dict:
-        return {"compiled_programs": len(self._programs), "max_lanes": self.max_lanes,
+        return {"compiled_programs": len(self._programs),
+                "programs": sorted(self._programs),
+                "free_pages": self.alloc.free_pages, "total_pages": self.num_pages,
+                "page_size": self.page_size, "pages_per_lane": self.pages_per_lane,
+                "preemptions": self.preemptions, "max_lanes": self.max_lanes,
                 "max_seq_len": self.max_seq_len, "num_speculative_tokens": self.k,
                 "kernels": self.kernels, **self.timing}

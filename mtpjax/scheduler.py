@@ -1,0 +1,310 @@
+"""Continuous-batching scheduler: requests, lanes, KV pages, preemption, speculation depth.
+
+Host-only bookkeeping; it knows nothing about JAX. The engine asks it for a `Plan` each
+iteration, runs the plan's programs, and reports the tokens back:
+
+  1. cancellations: cancelled requests end ("cancelled") and release their lane and pages.
+  2. admission: queued requests (oldest first) take free lanes while the pool can promise the
+     pages of their whole prefill on top of what running lanes still need (their unfinished
+     prefill and every decoding lane's next K-step).
+  3. work: at most one prefill chunk (the oldest lane still prefilling) plus one decode step
+     over every lane that finished its prefill. A lane in prefill is idle in the decode step.
+  4. speculation depth: `policy(K, busy_lanes, pages_ok, step)` picks k = K or 0 for the step
+     (lossless either way: sampling keys depend on (seed, position) only).
+  5. pages: each lane that runs gets the pages of every position the step writes
+     (kv_pool.tokens_touched_*), oldest lane first. When the pool is short, the youngest
+     running-or-waiting lane is preempted by recompute: its pages are freed and its request
+     goes back to the queue with prompt + tokens so far as the sequence to prefill; its output
+     continues where it stopped. The oldest lane can always proceed, because admission rejects
+     requests that could not fit the pool alone (`pages_worst_case`), so the loop terminates.
+
+Seniority is arrival order (request id), so preempted requests re-enter the queue ahead of
+newer ones.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+from typing import Callable, Protocol
+
+from mtpjax.kv_pool import PageAllocator, pages_for, tokens_touched_decode, tokens_touched_prefill
+from mtpjax.sampling import SamplingParams
+
+FINISH_STOP, FINISH_LENGTH, FINISH_ERROR, FINISH_CANCELLED = "stop", "length", "error", "cancelled"
+
+
+@dataclasses.dataclass
+class RequestStats:
+    verify_steps: int = 0           # decode steps that verified drafts
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    accepted_per_position: list[int] = dataclasses.field(default_factory=list)
+    plain_steps: int = 0            # decode steps run with k = 0 (policy fallback / stock)
+    preemptions: int = 0
+
+    @property
+    def tokens_per_step(self) -> float:
+        return (self.accepted_tokens + self.verify_steps) / max(self.verify_steps, 1)
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    error: str | None
+    stats: RequestStats
+
+
+@dataclasses.dataclass(eq=False)
+class Request:
+    id: int                          # arrival order = seniority
+    prompt: list[int]
+    params: SamplingParams
+    stops: frozenset[int]
+    out: list[int] = dataclasses.field(default_factory=list)
+    stats: RequestStats = dataclasses.field(default_factory=RequestStats)
+    done: str | None = None
+
+
+@dataclasses.dataclass(eq=False)
+class Lane:
+    """A request in a lane: its sequence to prefill, progress, and decode position."""
+    req: Request
+    seq: list[int]            # prompt + tokens generated before admission (recompute)
+    prefilled: int = 0        # tokens of seq already prefilled
+    pos: int = -1             # decode: absolute position of the last emitted token
+
+    @property
+    def prefilling(self) -> bool:
+        return self.prefilled < len(self.seq)
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillWork:
+    lane: int
+    start: int
+    tokens: list[int]         # seq[start:start + C]
+    next_tokens: list[int]    # seq[start + 1:start + C + 1]
+    is_last: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    prefill: PrefillWork | None
+    decode: tuple[int, ...]   # lanes in the decode step
+    k: int                    # drafts verified by the decode step (0 or K)
+    preempted: tuple[int, ...] = ()   # request ids preempted while planning
+
+
+class Policy(Protocol):
+    def __call__(self, k: int, busy_lanes: int, pages_ok: bool, step: int) -> int: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class SpeculationPolicy:
+    """Per-step depth: K while at most `max_busy_lanes` lanes decode (None: any number) and the
+    free pages cover every decoding lane's K-step; else 0 (one token per lane, MTP kept warm).
+
+    Any callable (k, busy_lanes, pages_ok, step) -> 0 or k can stand in for it.
+    """
+    max_busy_lanes: int | None = None
+
+    def __post_init__(self):
+        if self.max_busy_lanes is not None and self.max_busy_lanes < 0:
+            raise ValueError(f"max_busy_lanes must be >= 0 or None, got {self.max_busy_lanes}")
+
+    def __call__(self, k: int, busy_lanes: int, pages_ok: bool, step: int) -> int:
+        if k == 0 or not pages_ok:
+            return 0
+        if self.max_busy_lanes is not None and busy_lanes > self.max_busy_lanes:
+            return 0
+        return k
+
+
+class Scheduler:
+    """Queue + lanes + page accounting for one `generate` call (see the module docstring)."""
+
+    def __init__(self, alloc: PageAllocator, *, k: int, max_seq_len: int, prefill_chunk: int,
+                 policy: Policy | None = None,
+                 on_token: Callable[[int, list[int]], None] | None = None):
+        self.alloc, self.k, self.max_seq_len = alloc, k, max_seq_len
+        self.chunk = prefill_chunk
+        self.policy = policy or SpeculationPolicy()
+        self.on_token = on_token
+        self.lanes: list[Lane | None] = [None] * alloc.max_lanes
+        self.queue: list[Request] = []          # sorted by id
+        self.finished: dict[int, RequestOutput] = {}
+        self.cancelled: set[int] = set()
+        self.preemptions = 0
+        self.step = 0
+
+    # ---------------------------------------------------------------- requests
+    def pages_worst_case(self, prompt_len: int, max_new_tokens: int) -> int:
+        """Most pages a request ever holds at depth K (it must fit the pool alone)."""
+        k = self.k
+        end = min(prompt_len + max_new_tokens, self.max_seq_len)
+        last_pos = end - 2                       # position of the last token fed to a step
+        decode = (tokens_touched_decode(last_pos, k, k) if last_pos >= prompt_len
+                  else 0)
+        return pages_for(max(tokens_touched_prefill(prompt_len, True, k), decode),
+                         self.alloc.page_size)
+
+    def add(self, req: Request) -> None:
+        bisect.insort(self.queue, req, key=lambda r: r.id)
+
+    def cancel(self, request_id: int) -> None:
+        """Cancel a queued or running request at the next scheduling point (thread-safe)."""
+        self.cancelled.add(request_id)
+
+    def has_work(self) -> bool:
+        return bool(self.queue) or any(self.lanes)
+
+    # ---------------------------------------------------------------- planning
+    def _running(self) -> list[int]:
+        return sorted((b for b, ln in enumerate(self.lanes) if ln is not None),
+                      key=lambda b: self.lanes[b].req.id)
+
+    def _prefill_tokens(self, ln: Lane, is_last_only: bool = False) -> int:
+        if is_last_only:
+            return tokens_touched_prefill(len(ln.seq), True, self.k)
+        end = min(ln.prefilled + self.chunk, len(ln.seq))
+        return tokens_touched_prefill(end, end == len(ln.seq), self.k)
+
+    def _promised(self) -> int:
+        """Pages running lanes will want soon: rest of their prefill, or their next K-step."""
+        n = 0
+        for b, ln in enumerate(self.lanes):
+            if ln is None:
+                continue
+            want = (self._prefill_tokens(ln, True) if ln.prefilling
+                    else tokens_touched_decode(ln.pos, self.k, self.k))
+            n += self.alloc.needed(b, want)
+        return n
+
+    def _admit(self) -> None:
+        while self.queue and None in self.lanes:
+            req = self.queue[0]
+            seq = req.prompt + req.out
+            need = pages_for(tokens_touched_prefill(len(seq), True, self.k), self.alloc.page_size)
+            if self.alloc.free_pages - self._promised() < need:
+                return
+            self.queue.pop(0)
+            self.lanes[self.lanes.index(None)] = Lane(req, seq)
+
+    def _preempt(self, lane: int) -> int:
+        ln = self.lanes[lane]
+        self.alloc.free(lane)
+        self.lanes[lane] = None
+        ln.req.stats.preemptions += 1
+        self.preemptions += 1
+        self.add(ln.req)
+        return ln.req.id
+
+    def schedule(self) -> Plan:
+        """Admit, pick this iteration's work, reserve its pages (preempting when short)."""
+        for b, ln in enumerate(self.lanes):
+            if ln is not None and ln.req.id in self.cancelled:
+                self._finish(b, FINISH_CANCELLED)
+        for req in [r for r in self.queue if r.id in self.cancelled]:
+            self.queue.remove(req)
+            self._record(req, FINISH_CANCELLED)
+        self._admit()
+
+        running = self._running()
+        pre = next((b for b in running if self.lanes[b].prefilling), None)
+        decode = [b for b in running if not self.lanes[b].prefilling]
+        want_k = {b: tokens_touched_decode(self.lanes[b].pos, self.k, self.k) for b in decode}
+        need_k = sum(self.alloc.needed(b, t) for b, t in want_k.items())
+        if pre is not None:
+            need_k += self.alloc.needed(pre, self._prefill_tokens(self.lanes[pre]))
+        k = self.policy(self.k, len(decode), need_k <= self.alloc.free_pages, self.step)
+        if k not in (0, self.k):
+            raise ValueError(f"speculation policy returned {k}; it must return 0 or {self.k}")
+
+        want = {b: tokens_touched_decode(self.lanes[b].pos, k, self.k) for b in decode}
+        if pre is not None:
+            want[pre] = self._prefill_tokens(self.lanes[pre])
+        preempted = []
+        for b in sorted(want, key=lambda b: self.lanes[b].req.id):
+            if self.lanes[b] is None:          # preempted for an older lane
+                continue
+            while not self.alloc.can_reserve(b, want[b]):
+                victim = self._running()[-1]   # youngest lane, running or waiting
+                preempted.append(self._preempt(victim))
+                if victim == b:
+                    break
+            if self.lanes[b] is not None:
+                self.alloc.reserve(b, want[b])
+
+        work = None
+        if pre is not None and self.lanes[pre] is not None:
+            ln = self.lanes[pre]
+            s, e = ln.prefilled, min(ln.prefilled + self.chunk, len(ln.seq))
+            work = PrefillWork(pre, s, ln.seq[s:e], ln.seq[s + 1:e + 1], e == len(ln.seq))
+        decode = tuple(b for b in decode if self.lanes[b] is not None)
+        self.step += 1
+        return Plan(work, decode, k if decode else 0, tuple(preempted))
+
+    # ---------------------------------------------------------------- results
+    def prefill_done(self, work: PrefillWork, first_token: int | None) -> None:
+        ln = self.lanes[work.lane]
+        ln.prefilled = work.start + len(work.tokens)
+        if work.is_last:
+            ln.pos = len(ln.seq)
+            self._emit(work.lane, [int(first_token)])
+
+    def decode_done(self, lane: int, tokens: list[int], n_accepted: int, k: int) -> None:
+        ln = self.lanes[lane]
+        st = ln.req.stats
+        if k:
+            st.verify_steps += 1
+            st.drafted_tokens += k
+            st.accepted_tokens += n_accepted
+            for j in range(n_accepted):
+                st.accepted_per_position[j] += 1
+        else:
+            st.plain_steps += 1
+        ln.pos += n_accepted + 1
+        self._emit(lane, tokens[:n_accepted + 1])
+
+    def _emit(self, lane: int, toks: list[int]) -> None:
+        """Append tokens to the lane's request up to its stop conditions."""
+        req = self.lanes[lane].req
+        if req.id in self.cancelled:
+            self._finish(lane, FINISH_CANCELLED)
+            return
+        new, done = [], None
+        for t in toks:
+            new.append(t)
+            req.out.append(t)
+            if t in req.stops:
+                done = FINISH_STOP
+            elif len(req.out) >= req.params.max_new_tokens:
+                done = FINISH_LENGTH
+            elif len(req.prompt) + len(req.out) >= self.max_seq_len:
+                done = FINISH_LENGTH
+            if done:
+                break
+        if self.on_token and new:
+            self.on_token(req.id, new)
+        if done:
+            self._finish(lane, done)
+
+    def _finish(self, lane: int, reason: str) -> None:
+        req = self.lanes[lane].req
+        self.alloc.free(lane)
+        self.lanes[lane] = None
+        self._record(req, reason)
+
+    def _record(self, req: Request, reason: str) -> None:
+        req.done = reason
+        self.finished[req.id] = RequestOutput(req.prompt, req.out, reason, None, req.stats)
+
+    def abort(self) -> None:
+        """Release every lane's pages (the engine calls this if a step raises)."""
+        for b in range(len(self.lanes)):
+            if self.lanes[b] is not None:
+                self.alloc.free(b)
+                self.lanes[b] = None
