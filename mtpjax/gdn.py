@@ -6,19 +6,32 @@ picks the implementation (`kernels` = "reference" | "pallas" | "interpret") and 
 rollback scheme the step implements.
 
 Rollback without snapshots ("pending replay"). vLLM keeps k+1 copies of the recurrent state per
-sequence and writes all of them every step; at 27B that is (k+1) x 144 MiB written per sequence
-per step. We keep instead the committed state S from *before* the last verified block, plus that
-block's small per-token inputs (k, v, g, beta: 48 heads x 258 floats per token per layer,
-about 50 KiB per token for the 48 layers, vs 144 MiB for one state). A step then
+sequence and writes all of them every step. We keep instead the committed state S from *before*
+the last verified block, plus that block's small per-token inputs (k, v, g, beta, float32). A
+step then
 
   1. replays the first `n_pend` pending tokens (the ones the previous step accepted) onto S,
-  2. runs the new block's T tokens from there, producing outputs but not storing the end state,
+  2. runs the new block's T = k+1 tokens from there, producing outputs but not storing the end
+     state,
   3. writes back the committed state and stores the new block's inputs as the pending buffer.
 
 The state is read once and written once per step whatever k is; rejected tokens cost nothing
-(they are simply not replayed). Memory per sequence: one state + (k+1) token inputs. The
-committed state lags one block behind, which is invisible to the caller: every read goes through
-the replay.
+(they are simply not replayed). The committed state lags one block behind, which is invisible
+to the caller: every read goes through the replay. The conv window works the same way: the
+cache keeps KC-1+P raw inputs and the next block reads its KC-1 rows of history at offset n_pend.
+
+Cost for Qwen3.5-27B (48 GDN layers, 48 value heads, DK = DV = 128), per sequence:
+
+| | vLLM per-token slots | pending replay (this) |
+|---|---|---|
+| state memory | (k+1) x 144 MiB | 144 MiB + (k+1) x 2.27 MiB pending inputs |
+| state bytes per step, k=1 | read 144 + write 288 = 432 MiB | read 144 + write 144 + 2 x 4.5 = 297 MiB |
+| state bytes per step, k=3 | read 144 + write 576 = 720 MiB | 288 + 2 x 9.1 = 306 MiB |
+| extra compute | none | replay of <= k+1 recurrent token updates (~0.26 GFLOP each) |
+
+(pending inputs per token: 48 layers x 48 heads x (128 + 128 + 2) x 4 B = 2.27 MiB.) The
+kernel and its naive "one snapshot per token" oracle are compared in
+tests/test_kernel_gated_delta.py; the model-level rollback in tests/test_cache_paths.py.
 
 State layout is HF/FLA's `[H, DK, DV]` (row = key dim).
 """
