@@ -4,3 +4,4 @@ from checkpoints.orbax_io import is_orbax_checkpoint, restore_converted, save_co
 
 __all__ = ["CheckpointError", "load_params", "safetensors_files", "is_orbax_checkpoint",
            "restore_converted", "save_converted"]
+from checkpoints.hf_writer import save_hf_checkpoint
