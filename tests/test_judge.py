@@ -14,7 +14,7 @@ from experiments import judge, judge_gate as gate
 from judge_fixtures import write_judge_checkpoint
 from mtpjax import sampling
 
-SMALL = dict(passes=1, solo_requests=2, team_lanes=3, team_requests=4, busy_lanes=4,
+SMALL = dict(passes=1, solo_requests=2, team_lanes=2, team_requests=4, busy_lanes=2, prompt_tokens=16,
              busy_requests=6, max_new_tokens=12, gate_prompts=8, fidelity_tokens=8,
              progress=False)
 
