@@ -1,0 +1,558 @@
+"""`python -m experiments bench [--batch_sizes=1,4,8] [--context_lens=64,256] [--synthetic=27b]`.
+
+Microbenchmarks of the three step programs, each timed as ONE jitted XLA program written
+directly over `mtpjax.model.forward` / `mtp_forward` with a contiguous `model.init_cache` (the
+engine loop, sampling and host bookkeeping are left out on purpose; `--kv=paged` swaps in the
+engine's page pool, `model.init_paged_cache` + a shuffled page table, so that attention runs
+through the paged-attention kernel that `--kernels` selects):
+
+  decode  forward over 1 token per lane, "step" mode, P = 1 pending slot, + lm_head + argmax
+          (the stock engine, k = 0)
+  verify  forward over k+1 tokens per lane, "step" mode, P = k+1, + lm_head + argmax
+          (the target half of a speculative step)
+  draft   mtp_forward over 1 token per lane + lm_head + argmax (one chained MTP step)
+
+For every (program, batch B, context C):
+
+  1. Build the model (a checkpoint, the random tiny config, or 27B-shaped synthetic weights)
+     and a cache for B lanes of C + T slots; every lane sits at position C. Cache contents are
+     zeros (the cost of these programs does not depend on values). n_pend = T: the previous
+     block was fully accepted and is replayed, the steady state of each program.
+  2. Call once (compile, reported as `first_call_s`) and twice more to warm up, then time
+     `--iters` calls, each followed by `block_until_ready`; the cache is donated and fed back.
+  3. Report the median seconds per step, tokens/s (tokens processed: B for decode and draft,
+     B * (k+1) for verify) and the roofline: bytes a step must move
+
+         weights read once (target: all text weights but the embedding table, lm_head
+                             included; draft: MTP layer + lm_head) + the gathered embedding rows
+       + KV read at context C + T, KV written for T tokens
+       + GDN cache read + written (recurrent state f32, conv window, pending buffers)
+
+     divided by `--hbm_gbps` (default 4800, an H200's HBM) gives `floor_s`; `bw_fraction` =
+     floor_s / median_s. The floor is that of the H200 whatever device ran: on a CPU the
+     fraction is printed and stored but labelled as not applicable (`roofline_applies`).
+
+`speculative` in the JSON combines the three per (B, C): a speculative step costs about
+verify + k * draft (the real step runs the MTP once over k+1 pairs and then k-1 chained steps),
+and `break_even_tokens_per_step` = that / decode is the mean emitted tokens per step (accepted
++ 1) speculation needs to beat plain decoding.
+
+The last stdout line is the whole result as one JSON document; `--out` gets the same document.
+`experiments/gpu_check.py` imports this module and reuses its flags and functions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import flags
+
+from mtpjax import model
+from mtpjax.config import FULL, LINEAR, Config, qwen3_5_27b
+from mtpjax.params import Params, abstract_params
+
+FLAGS = flags.FLAGS
+DEFAULT_CHECKPOINT = "checkpoints/tiny"
+flags.DEFINE_string("checkpoint", DEFAULT_CHECKPOINT,
+                    "checkpoint folder (HF or converted); when the default one holds no "
+                    "config.json the random tiny config is used")
+flags.DEFINE_enum("synthetic", "", ["", "tiny", "27b"],
+                  "use random weights instead of --checkpoint: 'tiny' (the train_tiny "
+                  "architecture) or '27b' (Qwen3.5-27B shapes)")
+flags.DEFINE_integer("layers", None, "with --synthetic: keep only the first N decoder layers "
+                     "(shrinks depth for memory; the 27B pattern repeats every 4 layers)")
+flags.DEFINE_list("batch_sizes", ["1", "4", "8"], "lanes per step")
+flags.DEFINE_list("context_lens", ["64", "256"], "tokens already cached per lane")
+flags.DEFINE_integer("num_speculative_tokens", 3, "k: the verify program runs k+1 tokens")
+flags.DEFINE_enum("dtype", "auto", ["auto", "float32", "bfloat16"],
+                  "weights/activations/KV dtype; auto = bfloat16 on GPU, float32 elsewhere")
+flags.DEFINE_enum("kernels", "auto", ["auto", "reference", "pallas", "interpret"],
+                  "kernel implementations (gated delta; paged attention with --kv=paged); "
+                  "auto = pallas on GPU, reference elsewhere")
+flags.DEFINE_list("programs", ["decode", "verify", "draft"], "which step programs to time")
+flags.DEFINE_enum("kv", "contiguous", ["contiguous", "paged"],
+                  "KV storage: contiguous `model.init_cache` (default), or the engine's paged "
+                  "pool (`model.init_paged_cache` + a page table; attention then goes through "
+                  "the paged-attention kernel selected by --kernels)")
+flags.DEFINE_integer("page_size", 16, "tokens per page with --kv=paged")
+flags.DEFINE_integer("iters", 20, "timed calls per program (after compile + 2 warm-up calls)")
+flags.DEFINE_float("hbm_gbps", 4800.0, "device memory bandwidth in GB/s for the roofline "
+                   "(default: H200)")
+flags.DEFINE_integer("seed", 0, "seed for synthetic weights and inputs")
+flags.DEFINE_string("out", "bench.json", "JSON results path ('' = do not write)")
+
+PROGRAMS = ("decode", "verify", "draft")
+H200_GBPS = 4800.0
+
+
+# --------------------------------------------------------------------------------------------
+# Models
+# --------------------------------------------------------------------------------------------
+
+def tiny_config(layers: int | None = None) -> Config:
+    """The architecture `experiments/train_tiny.py` trains by default (random weights here)."""
+    n = layers or 8
+    return Config(
+        vocab_size=4096, hidden_size=256, intermediate_size=768,
+        layer_types=tuple(FULL if (i + 1) % 4 == 0 else LINEAR for i in range(n)),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, rope_theta=10000.0,
+        partial_rotary_factor=0.25, linear_num_key_heads=2, linear_num_value_heads=4,
+        linear_key_head_dim=64, linear_value_head_dim=64, linear_conv_kernel_dim=4,
+        tie_word_embeddings=True, mtp_num_hidden_layers=1, max_position_embeddings=8192)
+
+
+def shrink_layers(cfg: Config, layers: int | None) -> Config:
+    if not layers or layers == cfg.num_layers:
+        return cfg
+    types = cfg.layer_types[:layers]
+    if layers < 1 or layers > cfg.num_layers or FULL not in types or LINEAR not in types:
+        raise ValueError(f"--layers={layers}: need 1..{cfg.num_layers} layers holding at least "
+                         f"one full-attention and one linear layer (pattern "
+                         f"{cfg.layer_types[:cfg.layer_period]})")
+    return dataclasses.replace(cfg, layer_types=types)
+
+
+def _leaf_kind(path, shape) -> str:
+    names = [getattr(p, "name", "") for p in path]
+    name = names[-1]
+    if name in ("A_log", "dt_bias", "conv1d"):
+        return name
+    if name == "norm" and len(names) > 1 and names[-2] == "gdn":
+        return "gdn_norm"
+    if len(shape) - (1 if names[0] in ("full", "linear") else 0) == 1:
+        return "norm"
+    return "matrix"
+
+
+def _uniform_bounds(kind: str, shape) -> tuple[float, float, float]:
+    """(offset, lo, hi): leaf = offset + U(lo, hi), with init_params' scales (same std)."""
+    if kind == "A_log":
+        return 0.0, 1.0, 16.0              # then log()
+    if kind == "dt_bias":
+        return 0.0, -1.0, 1.0
+    if kind == "gdn_norm":
+        return 1.0, -0.1, 0.1
+    if kind == "norm":
+        return 0.0, -0.1, 0.1
+    a = (3.0 / shape[-1]) ** 0.5 if kind == "conv1d" else 0.02 * 3 ** 0.5
+    return 0.0, -a, a
+
+
+def _draw(key, shape, dtype, kind):
+    off, lo, hi = _uniform_bounds(kind, shape)
+    if kind == "A_log":
+        return jnp.log(jax.random.uniform(key, shape, jnp.float32, lo, hi)).astype(dtype)
+    return (off + jax.random.uniform(key, shape, jnp.dtype(dtype), lo, hi)).astype(dtype)
+
+
+_CHUNK_ELEMS = 1 << 26   # random-bit temporaries stay ~1 GB whatever the leaf size
+
+
+@partial(jax.jit, static_argnames=("kind", "rows"), donate_argnames=("buf",))
+def _fill_rows(buf, key, start, *, kind, rows):
+    """buf[start:start+rows] = fresh random rows, in place (buf is donated)."""
+    x = _draw(key, (rows,) + buf.shape[1:], buf.dtype, kind)
+    return jax.lax.dynamic_update_slice_in_dim(buf, x, start, axis=0)
+
+
+def _device_leaf(key, shape, dtype, kind):
+    """One leaf drawn on device in its own dtype, in slabs of axis 0 (a 27B stacked MLP leaf
+    is 4.3e9 elements: drawing it at once would need several times its size in temporaries)."""
+    row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
+    rows = max(1, _CHUNK_ELEMS // row)
+    if len(shape) < 2 or rows >= shape[0]:
+        return jax.jit(_draw, static_argnums=(1, 2, 3))(key, shape, dtype, kind)
+    buf = jnp.zeros(shape, dtype)
+    # the last slab's start is clamped by dynamic_update_slice: it just redraws some rows
+    for i, start in enumerate(range(0, shape[0], rows)):
+        buf = _fill_rows(buf, jax.random.fold_in(key, i), start, kind=kind, rows=rows)
+    return buf
+
+
+def synthetic_params(cfg: Config, dtype: str, seed: int = 0) -> Params:
+    """Random weights (uniform, with `init_params`' per-leaf scales), cheap to make at any size.
+
+    `init_params` draws float32 normals eagerly and casts them: at 27B that is a 17 GB float32
+    temporary for the stacked MLP leaf, and on a CPU every one of its ~50 random ops compiles
+    separately (tens of seconds for the tiny config). Here models under 1 GB are drawn with
+    numpy on the host; bigger ones leaf by leaf on the device, in their final dtype.
+    """
+    abstract = abstract_params(cfg, dtype)
+    on_host = nbytes(abstract) < (1 << 30)
+    rng = np.random.default_rng(seed)
+    key = jax.random.key(seed)
+    counter = iter(range(1, 1 << 30))
+
+    def leaf(path, a):
+        shape, kind = tuple(a.shape), _leaf_kind(path, a.shape)
+        if not on_host:
+            return _device_leaf(jax.random.fold_in(key, next(counter)), shape, str(a.dtype),
+                                kind)
+        off, lo, hi = _uniform_bounds(kind, shape)
+        x = rng.uniform(lo, hi, shape).astype(np.float32)
+        x = np.log(x) if kind == "A_log" else off + x
+        return jnp.asarray(x, a.dtype)
+
+    return jax.tree_util.tree_map_with_path(leaf, abstract)
+
+
+def resolve_dtype(dtype: str) -> str:
+    if dtype == "auto":
+        return "bfloat16" if jax.default_backend() == "gpu" else "float32"
+    return dtype
+
+
+def resolve_kernels(kernels: str) -> str:
+    if kernels == "auto":
+        return "pallas" if jax.default_backend() == "gpu" else "reference"
+    if kernels == "pallas" and jax.default_backend() != "gpu":
+        raise ValueError("--kernels=pallas needs a GPU (Triton); use interpret or reference")
+    return kernels
+
+
+def build_model(checkpoint: str, synthetic: str, layers: int | None, dtype: str, seed: int = 0):
+    """(cfg, params, description) from the flags' choice of model."""
+    if synthetic == "27b":
+        cfg = shrink_layers(qwen3_5_27b(), layers)
+        t = time.perf_counter()
+        params = jax.block_until_ready(synthetic_params(cfg, dtype, seed))
+        return cfg, params, {"source": "synthetic", "name": "qwen3_5_27b",
+                             "layers": cfg.num_layers, "init_s": time.perf_counter() - t}
+    if synthetic == "tiny" or (checkpoint == DEFAULT_CHECKPOINT and not os.path.exists(
+            os.path.join(checkpoint, "config.json"))):
+        cfg = tiny_config(layers)
+        params = synthetic_params(cfg, dtype, seed)
+        why = ("--synthetic=tiny" if synthetic else
+               f"{DEFAULT_CHECKPOINT} not found (run `python -m experiments train_tiny`)")
+        return cfg, params, {"source": "random", "name": "tiny", "layers": cfg.num_layers,
+                             "why": why}
+    if layers:
+        raise ValueError("--layers only applies to --synthetic models")
+    from mtpjax.api import load_checkpoint
+    cfg, params = load_checkpoint(checkpoint, dtype)
+    return cfg, params, {"source": "checkpoint", "name": checkpoint, "layers": cfg.num_layers}
+
+
+def config_summary(cfg: Config) -> dict:
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_attention_heads",
+            "num_key_value_heads", "head_dim", "linear_num_key_heads", "linear_num_value_heads",
+            "linear_key_head_dim", "linear_value_head_dim", "tie_word_embeddings")
+    d = {k: getattr(cfg, k) for k in keys}
+    d.update(num_layers=cfg.num_layers, num_full_layers=cfg.num_full_layers,
+             num_linear_layers=cfg.num_linear_layers, has_mtp=cfg.has_mtp)
+    return d
+
+
+# --------------------------------------------------------------------------------------------
+# Roofline bytes
+# --------------------------------------------------------------------------------------------
+
+def nbytes(tree) -> int:
+    return int(sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(tree)))
+
+
+def lm_head_weight(params: Params):
+    return params.embed if params.lm_head is None else params.lm_head
+
+
+def target_weight_bytes(params: Params) -> int:
+    """Weights one target step reads: every text weight except the embedding table (spec §9)."""
+    return nbytes((params.full, params.linear, params.final_norm, lm_head_weight(params)))
+
+
+def mtp_weight_bytes(params: Params) -> int:
+    """Weights one MTP step reads: the MTP layer, its norms and fc, and the shared lm_head."""
+    return nbytes((params.mtp, lm_head_weight(params)))
+
+
+def kv_bytes_per_token(cfg: Config, n_layers: int, dtype) -> int:
+    return n_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * jnp.dtype(dtype).itemsize
+
+
+def step_bytes(cfg: Config, params: Params, cache: model.Cache, program: str, batch: int,
+               context: int, T: int) -> dict:
+    """Bytes a step must move at minimum (see the module docstring)."""
+    dt = params.embed.dtype
+    emb_rows = batch * T * cfg.hidden_size * jnp.dtype(dt).itemsize
+    if program == "draft":
+        w = mtp_weight_bytes(params) + emb_rows
+        per_tok = kv_bytes_per_token(cfg, 1, dt)
+        state = 0
+    else:
+        w = target_weight_bytes(params) + emb_rows
+        per_tok = kv_bytes_per_token(cfg, cfg.num_full_layers, dt)
+        state = 2 * nbytes(cache.linear)         # read + write of every lane's GDN cache
+    kv = batch * per_tok * (context + T) + batch * per_tok * T
+    return {"weights": w, "kv": kv, "gdn_state": state, "total": w + kv + state}
+
+
+# --------------------------------------------------------------------------------------------
+# The step programs
+# --------------------------------------------------------------------------------------------
+
+@partial(jax.jit, static_argnames=("cfg", "kernels"), donate_argnames=("cache",))
+def target_step(cfg: Config, params: Params, cache: model.Cache, tokens, start, page_table, *,
+                kernels: str):
+    """decode (T = 1) / verify (T = k+1): forward in "step" mode + lm_head + greedy tokens.
+
+    page_table: i32[B, pages_per_lane] for a paged cache, None for a contiguous one.
+    """
+    B, T = tokens.shape
+    seg = _segment(start, T, page_table)
+    h, cache = model.forward(cfg, params, cache, tokens, seg, "step", kernels)
+    out = jnp.argmax(model.lm_head(params, h), axis=-1).astype(jnp.int32)
+    return out, cache
+
+
+@partial(jax.jit, static_argnames=("cfg", "kernels"), donate_argnames=("cache",))
+def draft_step(cfg: Config, params: Params, cache: model.Cache, h_prev, tokens, start,
+               page_table, *, kernels: str):
+    """One MTP step over 1 token per lane + lm_head + greedy draft."""
+    B, T = tokens.shape
+    seg = _segment(start, T, page_table)
+    h, cache = model.mtp_forward(cfg, params, cache, h_prev, tokens, seg, kernels)
+    out = jnp.argmax(model.lm_head(params, h), axis=-1).astype(jnp.int32)
+    return out, cache
+
+
+def _segment(start, T: int, page_table):
+    n_valid = jnp.full(start.shape, T, jnp.int32)
+    if page_table is None:
+        return model.Segment(start, n_valid)
+    return model.Segment(start, n_valid, page_table)
+
+
+def make_cache(cfg: Config, kv: str, batch: int, slots: int, P: int, dtype, page_size: int,
+               rng):
+    """(cache, page_table) for `batch` lanes of `slots` tokens with P pending slots.
+
+    paged: one pool of batch * ceil(slots / page_size) pages, handed out in a random order,
+    so lanes' pages interleave in memory as they do in a long-running engine.
+    """
+    if kv == "contiguous":
+        return model.init_cache(cfg, batch, slots, P, dtype), None
+    if kv != "paged":
+        raise ValueError(f"kv must be 'contiguous' or 'paged', got {kv!r}")
+    ppl = -(-slots // page_size)
+    cache = model.init_paged_cache(cfg, batch, batch * ppl, page_size, P, dtype)
+    table = rng.permutation(batch * ppl).astype(np.int32).reshape(batch, ppl)
+    return cache, jnp.asarray(table)
+
+
+def time_calls(call, cache, iters: int, warmup: int = 2):
+    """call(cache) -> (out, cache). Returns (first_call_s, [seconds per timed call])."""
+    t = time.perf_counter()
+    out, cache = call(cache)
+    jax.block_until_ready((out, cache))
+    first = time.perf_counter() - t
+    for _ in range(warmup):
+        out, cache = call(cache)
+        jax.block_until_ready((out, cache))
+    times = []
+    for _ in range(iters):
+        t = time.perf_counter()
+        out, cache = call(cache)
+        jax.block_until_ready((out, cache))
+        times.append(time.perf_counter() - t)
+    del cache, out
+    return first, times
+
+
+def bench_program(cfg: Config, params: Params, program: str, batch: int, context: int, k: int,
+                  kernels: str, iters: int, hbm_gbps: float, seed: int = 0,
+                  kv: str = "contiguous", page_size: int = 16) -> dict:
+    if program not in PROGRAMS:
+        raise ValueError(f"unknown program {program!r}; choose from {PROGRAMS}")
+    if program == "draft" and not cfg.has_mtp:
+        raise ValueError("the draft program needs an MTP head")
+    T = k + 1 if program == "verify" else 1
+    dt = params.embed.dtype
+    rng = np.random.default_rng(seed)
+    cache, table = make_cache(cfg, kv, batch, context + T, T, dt, page_size, rng)
+    cache = dataclasses.replace(cache, n_pend=jnp.full((batch,), T, jnp.int32))
+    bytes_ = step_bytes(cfg, params, cache, program, batch, context, T)
+    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, T)), jnp.int32)
+    start = jnp.full((batch,), context, jnp.int32)
+    if program == "draft":
+        h_prev = jnp.asarray(rng.standard_normal((batch, T, cfg.hidden_size)), dt)
+        call = lambda c: draft_step(cfg, params, c, h_prev, tokens, start, table,
+                                    kernels=kernels)
+    else:
+        call = lambda c: target_step(cfg, params, c, tokens, start, table, kernels=kernels)
+    first, times = time_calls(call, cache, iters)
+    med = float(np.median(times))
+    floor = bytes_["total"] / (hbm_gbps * 1e9)
+    wfloor = bytes_["weights"] / (hbm_gbps * 1e9)
+    return {
+        "program": program, "batch": batch, "context_len": context, "tokens_per_lane": T,
+        "kv": kv,
+        "iters": iters, "first_call_s": first, "median_s": med, "min_s": float(np.min(times)),
+        "p90_s": float(np.percentile(times, 90)), "tokens_per_s": batch * T / med,
+        "bytes": bytes_, "achieved_gbps": bytes_["total"] / med / 1e9,
+        "floor_s": floor, "bw_fraction": floor / med, "x_floor": med / floor,
+        "weight_floor_s": wfloor, "x_weight_floor": med / wfloor,
+    }
+
+
+def speculative_summary(rows: list[dict], k: int) -> list[dict]:
+    by = {(r["program"], r["batch"], r["context_len"]): r for r in rows if "median_s" in r}
+    out = []
+    for (prog, b, c), r in sorted(by.items(), key=lambda kv: kv[0][1:]):
+        if prog != "decode" or ("verify", b, c) not in by or ("draft", b, c) not in by:
+            continue
+        dec, ver, dra = r["median_s"], by["verify", b, c]["median_s"], by["draft", b, c]["median_s"]
+        est = ver + k * dra
+        out.append({"batch": b, "context_len": c, "k": k, "decode_s": dec, "verify_s": ver,
+                    "draft_s": dra, "spec_step_estimate_s": est,
+                    "break_even_tokens_per_step": est / dec,
+                    "max_tokens_per_step": k + 1})
+    return out
+
+
+def device_info() -> dict:
+    d = jax.devices()[0]
+    info = {"backend": jax.default_backend(), "device_kind": d.device_kind,
+            "device_count": jax.device_count(), "platform": platform.platform(),
+            "python": platform.python_version(), "jax": jax.__version__,
+            "xla_flags": os.environ.get("XLA_FLAGS", "")}
+    try:
+        info["cpu_cores_available"] = len(os.sched_getaffinity(0))
+    except AttributeError:
+        info["cpu_cores_available"] = os.cpu_count()
+    if info["backend"] == "cpu":
+        info["cpu"] = platform.processor() or platform.machine()
+    return info
+
+
+def run_bench(cfg: Config, params: Params, *, programs, batch_sizes, context_lens, k: int,
+              kernels: str, iters: int, hbm_gbps: float, seed: int = 0,
+              kv: str = "contiguous", page_size: int = 16, deadline: float | None = None,
+              log=print) -> dict:
+    """Time every (program, batch, context); entries past `deadline` are recorded as skipped."""
+    rows = []
+    for b in batch_sizes:
+        for c in context_lens:
+            for prog in programs:
+                if prog == "draft" and not cfg.has_mtp:
+                    continue
+                if deadline is not None and time.monotonic() > deadline:
+                    rows.append({"program": prog, "batch": b, "context_len": c,
+                                 "skipped": "time budget"})
+                    log(f"  {prog:6s} B={b} C={c}: skipped (time budget)")
+                    continue
+                r = bench_program(cfg, params, prog, b, c, k, kernels, iters, hbm_gbps, seed,
+                                  kv, page_size)
+                rows.append(r)
+                log(f"  {prog:6s} B={b} C={c} T={r['tokens_per_lane']}: "
+                    f"{r['median_s'] * 1e3:.3f} ms/step, {r['tokens_per_s']:.1f} tok/s, "
+                    f"x{r['x_floor']:.2f} of floor (first call {r['first_call_s']:.1f} s)")
+    return {"results": rows, "speculative": speculative_summary(rows, k)}
+
+
+def roofline_label(backend: str, hbm_gbps: float) -> dict:
+    applies = backend == "gpu"
+    basis = f"{hbm_gbps:g} GB/s" + (" (H200 HBM)" if hbm_gbps == H200_GBPS else "")
+    note = ("floor = bytes moved per step / bandwidth" if applies else
+            f"measured on {backend}: the floor is that of a {basis} GPU, so bw_fraction / "
+            "x_floor are NOT meaningful for this device (printed for format only)")
+    return {"hbm_gbps": hbm_gbps, "roofline_applies": applies, "roofline_note": note}
+
+
+def format_table(rows: list[dict], backend: str) -> str:
+    lab = "" if backend == "gpu" else " [roofline of an H200; not this device]"
+    head = (f"{'program':8s} {'B':>3s} {'ctx':>6s} {'T':>2s} {'ms/step':>10s} {'tok/s':>10s} "
+            f"{'GB/step':>8s} {'floor ms':>9s} {'x floor':>8s} {'%BW':>6s}")
+    lines = [f"step programs{lab}", head, "-" * len(head)]
+    for r in rows:
+        if "median_s" not in r:
+            lines.append(f"{r['program']:8s} {r['batch']:3d} {r['context_len']:6d}  "
+                         f"skipped ({r['skipped']})")
+            continue
+        lines.append(
+            f"{r['program']:8s} {r['batch']:3d} {r['context_len']:6d} "
+            f"{r['tokens_per_lane']:2d} {r['median_s'] * 1e3:10.3f} {r['tokens_per_s']:10.1f} "
+            f"{r['bytes']['total'] / 1e9:8.3f} {r['floor_s'] * 1e3:9.3f} "
+            f"{r['x_floor']:8.2f} {100 * r['bw_fraction']:5.1f}%")
+    return "\n".join(lines)
+
+
+def format_spec(spec: list[dict]) -> str:
+    if not spec:
+        return ""
+    lines = ["speculative step estimate (verify + k * draft) vs plain decode",
+             f"{'B':>3s} {'ctx':>6s} {'k':>2s} {'decode ms':>10s} {'spec ms':>10s} "
+             f"{'break-even tok/step':>20s}"]
+    for s in spec:
+        lines.append(f"{s['batch']:3d} {s['context_len']:6d} {s['k']:2d} "
+                     f"{s['decode_s'] * 1e3:10.3f} {s['spec_step_estimate_s'] * 1e3:10.3f} "
+                     f"{s['break_even_tokens_per_step']:14.2f} / {s['max_tokens_per_step']}")
+    return "\n".join(lines)
+
+
+def command_line() -> str:
+    return "python -m experiments " + " ".join(shlex.quote(a) for a in sys.argv[1:])
+
+
+def write_json(path: str, doc: dict) -> None:
+    if path:
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        with open(path, "w") as f:
+            json.dump(doc, f, indent=2)
+
+
+def main(argv):
+    del argv
+    log = partial(print, flush=True)
+    dtype, kernels = resolve_dtype(FLAGS.dtype), resolve_kernels(FLAGS.kernels)
+    batch_sizes = [int(x) for x in FLAGS.batch_sizes]
+    context_lens = [int(x) for x in FLAGS.context_lens]
+    programs = list(FLAGS.programs)
+    bad = [p for p in programs if p not in PROGRAMS]
+    if bad:
+        raise ValueError(f"--programs: unknown {bad}; choose from {PROGRAMS}")
+    k = FLAGS.num_speculative_tokens
+    if k < 1 and "verify" in programs:
+        raise ValueError("--num_speculative_tokens must be >= 1 to time verify")
+    info = device_info()
+    log(f"bench on {info['backend']} ({info['device_kind']}), dtype={dtype}, kernels={kernels}, "
+        f"kv={FLAGS.kv}")
+    cfg, params, desc = build_model(FLAGS.checkpoint, FLAGS.synthetic, FLAGS.layers, dtype,
+                                    FLAGS.seed)
+    log(f"model: {desc}")
+    res = run_bench(cfg, params, programs=programs, batch_sizes=batch_sizes,
+                    context_lens=context_lens, k=k, kernels=kernels, iters=FLAGS.iters,
+                    hbm_gbps=FLAGS.hbm_gbps, seed=FLAGS.seed, kv=FLAGS.kv,
+                    page_size=FLAGS.page_size, log=log)
+    doc = {
+        "command": command_line(),
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": info,
+        "model": {**desc, "config": config_summary(cfg), "dtype": dtype,
+                  "target_weight_bytes": target_weight_bytes(params),
+                  "mtp_weight_bytes": mtp_weight_bytes(params) if cfg.has_mtp else 0},
+        "kernels": kernels, "kv": FLAGS.kv, "page_size": FLAGS.page_size,
+        "num_speculative_tokens": k, "iters": FLAGS.iters,
+        **roofline_label(info["backend"], FLAGS.hbm_gbps),
+        **res,
+    }
+    log(format_table(res["results"], info["backend"]))
+    spec = format_spec(res["speculative"])
+    if spec:
+        log(spec)
+    write_json(FLAGS.out, doc)
+    if FLAGS.out:
+        log(f"wrote {FLAGS.out}")
+    print(json.dumps(doc), flush=True)
