@@ -19,7 +19,7 @@ Device state: `model.Cache` with a `PagedKV` pool ([n_layers, NKV, num_pages, pa
 target full-attention layers and the MTP layer) plus per-lane GDN slots, and `steps.LaneState`.
 The page table (kv_pool.PageAllocator.table) is sent with every program call.
 
-Compiled programs: one prefill program per chunk bucket (8, 16, ... prefill_chunk) and one
+Compiled programs: one prefill program per chunk bucket (default 8, 16, ... prefill_chunk) and one
 decode program per speculation depth used (K and 0); `stats()["compiled_programs"]`.
 """
 
@@ -67,13 +67,16 @@ class Engine:
     page_size, num_pages: the KV pool; num_pages defaults to every lane at full context (no
       preemption). A smaller pool admits by page budget and preempts by recompute.
     speculation_policy: per-step choice between K and 0 drafts (scheduler.SpeculationPolicy).
+    prefill_buckets: padded chunk lengths, one prefill program each (default 8, 16, ...,
+      prefill_chunk); the largest must be prefill_chunk.
     """
 
     def __init__(self, cfg: Config, params: Params, *, num_speculative_tokens: int = 0,
                  max_lanes: int = 4, max_seq_len: int = 1024, prefill_chunk: int = 64,
                  kernels: str | None = None, eos_token_ids: Sequence[int] | None = None,
                  page_size: int = 16, num_pages: int | None = None,
-                 speculation_policy: Policy | None = None):
+                 speculation_policy: Policy | None = None,
+                 prefill_buckets: Sequence[int] | None = None):
         k = int(num_speculative_tokens)
         if k < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
@@ -92,8 +95,12 @@ class Engine:
         check_kernels(kernels)
         self.cfg, self.params, self.k = cfg, params, k
         self.max_lanes, self.max_seq_len, self.kernels = max_lanes, max_seq_len, kernels
+        buckets = sorted(set(map(int, prefill_buckets or _buckets(prefill_chunk))))
+        if buckets[0] < 1 or buckets[-1] != prefill_chunk:
+            raise ValueError(f"prefill_buckets must be positive and end at prefill_chunk="
+                             f"{prefill_chunk}, got {buckets}")
         self.prefill_chunk = prefill_chunk
-        self.chunk_buckets = _buckets(prefill_chunk)
+        self.chunk_buckets = buckets
         self.eos = tuple(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         self.policy = speculation_policy or SpeculationPolicy()
         self.dtype = params.embed.dtype
