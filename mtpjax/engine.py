@@ -93,6 +93,9 @@ class Engine:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
         kernels = kernels or default_kernels()
         check_kernels(kernels)
+        if kernels == "pallas" and page_size & (page_size - 1):
+            raise ValueError(f"the Triton paged-attention kernel needs a power-of-two "
+                             f"page_size, got {page_size}")
         self.cfg, self.params, self.k = cfg, params, k
         self.max_lanes, self.max_seq_len, self.kernels = max_lanes, max_seq_len, kernels
         buckets = sorted(set(map(int, prefill_buckets or _buckets(prefill_chunk))))

@@ -285,6 +285,10 @@ def test_engine_arguments_are_checked_and_forwarded(monkeypatch):
         Engine(CFG, PARAMS, page_size=0)
     with pytest.raises(ValueError, match="num_pages must be >= 1"):
         Engine(CFG, PARAMS, num_pages=0)
+    with pytest.raises(ValueError, match="power-of-two page_size, got 6"):
+        Engine(CFG, PARAMS, kernels="pallas", page_size=6)
+    with pytest.raises(ValueError, match="prefill_buckets must be positive and end at"):
+        Engine(CFG, PARAMS, prefill_chunk=16, prefill_buckets=(8,))
     import mtpjax.api
     monkeypatch.setattr(mtpjax.api, "load_checkpoint", lambda path, dtype: (CFG, PARAMS))
     e = mtpjax.Engine.from_checkpoint("x", num_speculative_tokens=1, kernels="interpret",
