@@ -52,7 +52,7 @@ flags.DEFINE_integer("team_lanes", 8, "lanes of the team workload")
 flags.DEFINE_integer("team_requests", 16, "requests in the team workload")
 flags.DEFINE_integer("busy_lanes", 16, "lanes of the busy workload")
 flags.DEFINE_integer("busy_requests", 32, "requests in the busy workload")
-flags.DEFINE_float("busy_fill", 0.95, "busy pool size as a fraction of the pages all lanes would want")
+flags.DEFINE_float("busy_fill", 0.8, "busy pool size as a fraction of the pages all lanes would want")
 flags.DEFINE_integer("page_size", 16, "KV page size (tokens)")
 flags.DEFINE_integer("prompt_tokens", 48, "prompt length cap (tokens)")
 flags.DEFINE_float("temperature", 0.0, "sampling temperature of the throughput workloads")
@@ -84,7 +84,7 @@ class JudgeConfig:
     team_requests: int = 16
     busy_lanes: int = 16
     busy_requests: int = 32
-    busy_fill: float = 0.95
+    busy_fill: float = 0.8
     page_size: int = 16
     prompt_tokens: int = 48
     temperature: float = 0.0
