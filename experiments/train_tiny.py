@@ -39,8 +39,8 @@ from absl import flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("out", "checkpoints/tiny", "output checkpoint folder")
-flags.DEFINE_integer("steps", 1500, "optimizer steps")
-flags.DEFINE_integer("batch", 16, "sequences per step")
+flags.DEFINE_integer("steps", 300, "optimizer steps")
+flags.DEFINE_integer("batch", 8, "sequences per step")
 flags.DEFINE_integer("seq_len", 256, "tokens per training sequence")
 flags.DEFINE_integer("vocab_size", 4096, "vocab size (BPE ids + the 3 special tokens, padded)")
 flags.DEFINE_float("lr", 3e-3, "peak learning rate")
