@@ -24,18 +24,10 @@ import pytest
 
 import mtpjax
 from mtpjax import model, steps
-from mtpjax.config import Config
 from mtpjax.engine import Engine, SpeculationPolicy
-from mtpjax.params import init_params
 from mtpjax.sampling import SamplingParams
 
-CFG = Config(vocab_size=11, hidden_size=32, intermediate_size=40,
-             layer_types=("linear_attention", "linear_attention", "full_attention"),
-             num_attention_heads=4, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
-             partial_rotary_factor=0.5, linear_num_key_heads=2, linear_num_value_heads=4,
-             linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-             tie_word_embeddings=False, mtp_num_hidden_layers=1)
-PARAMS = init_params(CFG, jax.random.key(1), "float32", scale=0.3)
+from tiny_models import VOCAB11_CFG as CFG, VOCAB11_PARAMS as PARAMS
 SEQ, CHUNK, PAGE, POOL = 48, 8, 4, 12      # a lane at full context needs 13 pages
 
 rng = np.random.default_rng(0)
