@@ -15,7 +15,6 @@ pool. Order of work:
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import json
 import os
 import platform
@@ -135,18 +134,12 @@ def _tokenizer(path):
 
 # ------------------------------------------------------------------------------- engines
 
-_ENGINE_KW = set(inspect.signature(mtpjax.Engine.__init__).parameters)
-
-
 def make_engine(cfg, params, jc: JudgeConfig, k: int, lanes: int, num_pages: int | None,
                 max_seq_len: int):
-    kw = dict(num_speculative_tokens=k, max_lanes=lanes, max_seq_len=max_seq_len,
-              kernels=jc.kernels)
-    if "page_size" in _ENGINE_KW:
-        kw["page_size"] = jc.page_size
-        if num_pages is not None:
-            kw["num_pages"] = num_pages
-    return mtpjax.Engine(cfg, params, **kw)
+    """Stock (k = 0) and candidate engines differ only in k: same lanes, pool and kernels."""
+    return mtpjax.Engine(cfg, params, num_speculative_tokens=k, max_lanes=lanes,
+                         max_seq_len=max_seq_len, kernels=jc.kernels, page_size=jc.page_size,
+                         num_pages=num_pages)
 
 
 def engine_bytes(engine) -> int:
