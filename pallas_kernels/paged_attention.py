@@ -20,7 +20,13 @@ Data flow of one call (one layer):
    Scores are masked with ``jnp.where`` (NaN-safe), probabilities of masked
    entries are set to exactly 0, and V rows beyond ``kv_len`` are loaded as
    0, so NaN-poisoned pool memory cannot leak.
-4. With ``k_splits > 1`` every split writes an unnormalised partial output
+4. A page id that a row needs (a position <= the row's query position) but
+   that lies outside ``[0, num_pages)`` is a corrupt page table: the page is
+   not read, and every row that needs it comes out NaN (only that lane's
+   rows), instead of clamping the id and reading some other lane's page.
+   Hosts validate tables first (``mtpjax.kv_pool.PageAllocator.table``,
+   ``validate_paged_inputs_dynamic``); the NaN is the in-program backstop.
+5. With ``k_splits > 1`` every split writes an unnormalised partial output
    plus its row max and row sum, and the wrapper merges them (flash
    decoding). With one split the kernel normalises and writes the output.
 
@@ -43,6 +49,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.tuned_block_sizes import (
+    TRITON_MIN_DOT,
     PagedAttentionTuning,
     get_paged_attention_tuning,
     next_pow2,
@@ -52,6 +59,7 @@ from pallas_kernels.tuned_block_sizes import (
 # MASK - MASK = 0 stays finite for fully masked rows (no inf - inf).
 MASK_VALUE = -0.7 * float(np.finfo(np.float32).max)
 _MIN_ROWS = 16  # Triton dot needs M >= 16.
+_NO_BAD = np.iinfo(np.int32).max  # "no out-of-pool page seen" (a token position never reached)
 
 
 def _is_pow2(x: int) -> bool:
@@ -108,20 +116,26 @@ def _paged_attention_kernel(
   num_pool_pages = k_pages_ref.shape[0]
 
   def body(i, carry):
-    acc, m_prev, l_prev = carry
+    acc, m_prev, l_prev, first_bad = carry
     local = i * pages_per_block
     page_ids = table_ref[pl.ds(local, pages_per_block)]  # [ppb]
     first_tok = (start_page + local) * page_size
     tok = first_tok + lax.broadcasted_iota(jnp.int32, (block_k,), 0)  # [block_k]
-    page_valid = (start_page + local
-                  + lax.broadcasted_iota(jnp.int32, (pages_per_block,), 0)) < n_pages
-    # Never form an address from a page id we will not use.
-    page_ids = jnp.where(page_valid, jnp.clip(page_ids, 0, num_pool_pages - 1), 0)
-    slot_valid = (first_tok
-                  + lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size, 1), 0)
-                  * page_size
-                  + lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size, 1), 1)
-                  ) < kv_len
+    page_idx = start_page + local + lax.broadcasted_iota(jnp.int32, (pages_per_block,), 0)
+    page_valid = page_idx < n_pages
+    # A needed page id outside the pool is a corrupt table: never form its address (read
+    # page 0 under a mask instead) and remember its first token, so that every row that
+    # needs it comes out NaN instead of silently reading another lane's page.
+    in_pool = (page_ids >= 0) & (page_ids < num_pool_pages)
+    bad = page_valid & ~in_pool
+    first_bad = jnp.minimum(first_bad, jnp.min(jnp.where(bad, page_idx * page_size, _NO_BAD)))
+    page_ok = page_valid & in_pool
+    page_ids = jnp.where(page_ok, page_ids, 0)
+    slot_valid = ((first_tok
+                   + lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size, 1), 0)
+                   * page_size
+                   + lax.broadcasted_iota(jnp.int32, (pages_per_block, page_size, 1), 1)
+                   ) < kv_len) & page_ok[:, None, None]
     # Masked gather of [ppb, page_size, HD]: slots >= kv_len are not read.
     shape3 = (pages_per_block, page_size, head_dim)
     idx = (jnp.broadcast_to(page_ids[:, None, None], shape3),
@@ -145,22 +159,25 @@ def _paged_attention_kernel(
     pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32,
                  precision=precision)
     acc = acc * correction[:, None] + pv
-    return acc, m_next, l_next
+    return acc, m_next, l_next, first_bad
 
   acc0 = jnp.zeros((block_rows, head_dim), jnp.float32)
   m0 = jnp.full((block_rows,), MASK_VALUE, jnp.float32)
   l0 = jnp.zeros((block_rows,), jnp.float32)
-  acc, m, l = lax.fori_loop(0, n_iter, body, (acc0, m0, l0))
+  acc, m, l, first_bad = lax.fori_loop(0, n_iter, body, (acc0, m0, l0, jnp.int32(_NO_BAD)))
+  # Rows that needed a page outside the pool (a corrupt page table) are poisoned.
+  poison = row_valid & (q_pos >= first_bad)
 
   if split:
     l_ref, m_ref = stat_refs
-    o_ref[...] = acc
-    l_ref[...] = l
-    m_ref[...] = m
+    o_ref[...] = jnp.where(poison[:, None], jnp.nan, acc)
+    l_ref[...] = jnp.where(poison, jnp.nan, l)
+    m_ref[...] = jnp.where(poison, jnp.nan, m)   # NaN survives the merge of the splits
   else:
     # Fully masked rows have l == 0 and acc == 0 -> output 0.
     l_safe = jnp.where(l > 0.0, l, 1.0)
-    o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+    o = jnp.where(poison[:, None], jnp.nan, acc / l_safe[:, None])
+    o_ref[...] = o.astype(o_ref.dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -210,8 +227,27 @@ def _static_validate(q, k_pages, v_pages, page_tables, kv_lens, q_lens, interpre
     if not _is_pow2(page_size):
       raise ValueError(
           f"the Triton kernel needs a power-of-two page_size, got {page_size}")
-    if not _is_pow2(hd):
-      raise ValueError(f"the Triton kernel needs a power-of-two head_dim, got {hd}")
+    if not _is_pow2(hd) or hd < TRITON_MIN_DOT:
+      raise ValueError(
+          f"the Triton kernel needs a power-of-two head_dim >= {TRITON_MIN_DOT} (a dot "
+          f"dimension), got {hd}")
+
+
+def _key_block_pages(tuning: PagedAttentionTuning, page_size: int, pages_per_lane: int,
+                     interpret: bool) -> int:
+  """Pages per online-softmax step: the tuning's, cut to the table (a power of two), but
+  never below a 16-token key block on the Triton path (extra pages are masked, not read).
+
+  Raises ValueError when the tuning itself asks for a Triton key block < 16 tokens.
+  """
+  ppb = tuning.pages_per_compute_block
+  if not interpret and ppb * page_size < TRITON_MIN_DOT:
+    raise ValueError(
+        f"the Triton kernel needs a key block (pages_per_compute_block * page_size) of at "
+        f"least {TRITON_MIN_DOT} tokens (a dot dimension), got "
+        f"{ppb} * {page_size} = {ppb * page_size}")
+  floor = 1 if interpret else next_pow2(-(-TRITON_MIN_DOT // page_size))
+  return min(ppb, max(next_pow2(pages_per_lane), floor))
 
 
 def validate_paged_inputs_dynamic(q, k_pages, page_tables, kv_lens, q_lens):
@@ -235,8 +271,11 @@ def validate_paged_inputs_dynamic(q, k_pages, page_tables, kv_lens, q_lens):
     raise ValueError(f"kv_lens must be <= pages_per_lane * page_size = {cap}, got {kv}")
   for b in range(table.shape[0]):
     used = table[b, : -(-int(kv[b]) // page_size)]
-    if np.any(used < 0) or np.any(used >= num_pages):
-      raise ValueError(f"lane {b} uses page ids outside [0, {num_pages}): {used}")
+    bad = np.flatnonzero((used < 0) | (used >= num_pages))
+    if bad.size:
+      j = int(bad[0])
+      raise ValueError(f"page table lane {b} entry {j}: page id {int(used[j])} is outside "
+                       f"the pool [0, {num_pages}) (the lane needs {used.size} pages)")
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "tuning"))
@@ -269,10 +308,13 @@ def paged_attention(
     tuning: block sizes; ``None`` looks up ``tuned_block_sizes``.
 
   Returns:
-    [B, Tq, NQ, HD] in q.dtype; rows t >= q_lens[b] are zeros.
+    [B, Tq, NQ, HD] in q.dtype; rows t >= q_lens[b] are zeros; a valid row
+    that needs a position whose page id is outside ``[0, num_pages)`` is NaN.
 
   Raises:
-    ValueError: on inconsistent shapes or dtypes (see ``_static_validate``).
+    ValueError: on inconsistent shapes or dtypes (see ``_static_validate``),
+      and on the Triton path for a dot dimension below 16 (head_dim, or the
+      tuning's key block ``pages_per_compute_block * page_size``).
   """
   _static_validate(q, k_pages, v_pages, page_tables, kv_lens, q_lens, interpret)
   b, tq, nq, hd = q.shape
@@ -296,7 +338,7 @@ def paged_attention(
 
   # --- page blocks and splits ---------------------------------------------------
   pages_per_lane = page_tables.shape[1]
-  ppb = min(tuning.pages_per_compute_block, next_pow2(pages_per_lane))
+  ppb = _key_block_pages(tuning, page_size, pages_per_lane, interpret)
   n_blocks = pl.cdiv(pages_per_lane, ppb)
   if tuning.k_splits is None:
     k_splits = pl.cdiv(tuning.target_programs, b * nkv * n_row_blocks)
@@ -386,7 +428,8 @@ def paged_attention_reference(
   """Plain-jnp oracle with the signature of :func:`paged_attention`.
 
   Gathers every page of every lane, masks causally (NaN-safe ``where`` on
-  scores and on V), and does an f32 softmax. ``interpret``/``tuning`` are
+  scores and on V), and does an f32 softmax. Rows that need a page id outside
+  the pool come out NaN, as in the kernel. ``interpret``/``tuning`` are
   accepted and ignored so tests can swap the two functions.
   """
   del interpret, tuning
@@ -395,13 +438,18 @@ def paged_attention_reference(
   nkv, num_pages, page_size, _ = k_pages.shape
   group = nq // nkv
   n_ctx = page_tables.shape[1] * page_size
-  table = jnp.clip(page_tables, 0, num_pages - 1)
+  in_pool = (page_tables >= 0) & (page_tables < num_pages)  # [B, pages_per_lane]
+  table = jnp.where(in_pool, page_tables, 0)  # a safe address; bad pages poison below
   k = k_pages[:, table].reshape(nkv, b, n_ctx, hd).astype(jnp.float32)
   v = v_pages[:, table].reshape(nkv, b, n_ctx, hd).astype(jnp.float32)
   kpos = jnp.arange(n_ctx, dtype=jnp.int32)
   t = jnp.arange(tq, dtype=jnp.int32)
   qpos = kv_lens[:, None] - q_lens[:, None] + t[None, :]  # [B, Tq]
   row_valid = t[None, :] < q_lens[:, None]  # [B, Tq]
+  # A row that needs a position whose page id is outside the pool (a corrupt table) is NaN.
+  bad_pos = ~jnp.repeat(in_pool, page_size, axis=1)  # [B, n_ctx]
+  poison = row_valid & jnp.any(
+      bad_pos[:, None, :] & (kpos[None, None, :] <= qpos[:, :, None]), axis=-1)  # [B, Tq]
   mask = (kpos[None, None, :] <= qpos[:, :, None]) & row_valid[:, :, None]
   mask &= kpos[None, None, :] < kv_lens[:, None, None]  # [B, Tq, n_ctx]
   v = jnp.where((kpos[None, None, :] < kv_lens[None, :, None])[..., None], v, 0.0)
@@ -417,6 +465,7 @@ def paged_attention_reference(
   l = jnp.sum(p, axis=-1, keepdims=True)
   o = jnp.einsum("bngts,nbsd->btngd", p, v, precision=lax.Precision.HIGHEST)
   o = o / jnp.where(l > 0, l, 1.0).transpose(0, 3, 1, 2, 4)
+  o = jnp.where(poison[:, :, None, None, None], jnp.nan, o)
   return o.reshape(b, tq, nq, hd).astype(q.dtype)
 
 
@@ -476,7 +525,10 @@ def write_kv(k_pages, v_pages, k_new, v_new, page_tables, kv_lens, q_lens):
   valid = (t[None, :] < q_lens[:, None]) & (pos >= 0) & (pos < pages_per_lane * page_size)
   page_col = jnp.clip(pos // page_size, 0, pages_per_lane - 1)
   page = jnp.take_along_axis(page_tables, page_col, axis=1)
-  page = jnp.where(valid, page, num_pages)  # out of range -> dropped
+  # Invalid rows, and page ids outside the pool (a corrupt table: negative ids would
+  # otherwise wrap around to another lane's page), are routed out of range -> dropped.
+  valid &= (page >= 0) & (page < num_pages)
+  page = jnp.where(valid, page, num_pages)
   slot = jnp.where(valid, pos % page_size, 0)
   # Advanced indices (page, slot) are adjacent -> update shape [NKV, B, Tq, HD].
   k_upd = k_new.transpose(2, 0, 1, 3).astype(k_pages.dtype)
@@ -492,11 +544,13 @@ def write_kv_reference(k_pages, v_pages, k_new, v_new, page_tables, kv_lens, q_l
   vp = np.array(v_pages)
   kn, vn = np.asarray(k_new), np.asarray(v_new)
   table, kv, ql = np.asarray(page_tables), np.asarray(kv_lens), np.asarray(q_lens)
-  page_size = kp.shape[2]
+  num_pages, page_size = kp.shape[1], kp.shape[2]
   for b in range(kn.shape[0]):
     for t in range(int(ql[b])):
       pos = int(kv[b]) - int(ql[b]) + t
       page, slot = table[b, pos // page_size], pos % page_size
+      if not 0 <= page < num_pages:
+        continue  # a corrupt table entry: the write is dropped
       kp[:, page, slot] = kn[b, t]
       vp[:, page, slot] = vn[b, t]
   return kp, vp

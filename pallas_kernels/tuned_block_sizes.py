@@ -19,6 +19,9 @@ from __future__ import annotations
 
 import dataclasses
 
+# Every dimension (M, N and K) of a dot inside a Triton kernel must be >= 16.
+TRITON_MIN_DOT = 16
+
 
 def _is_pow2(x: int) -> bool:
   return x > 0 and (x & (x - 1)) == 0
@@ -52,8 +55,10 @@ class PagedAttentionTuning:
       rows are split into blocks of ``max_block_rows`` (prefill chunks). Must
       be a power of two >= 16.
     pages_per_compute_block: pages gathered per online-softmax step; the
-      step's key block is ``pages_per_compute_block * page_size`` tokens (keep
-      it >= 16 for the Triton dot). Power of two.
+      step's key block is ``pages_per_compute_block * page_size`` tokens, a
+      dot dimension: the compiled (Triton) kernel rejects a block below
+      ``TRITON_MIN_DOT`` = 16 tokens with a ValueError (the page size is known
+      only at the call, so the check is there). Power of two.
     k_splits: number of partitions of the page table processed by separate
       programs and merged afterwards (flash-decoding). ``None`` = choose so
       that the grid has roughly ``target_programs`` programs.

@@ -157,6 +157,37 @@ class TestPagedAttention:
     np.testing.assert_allclose(out, dense, atol=F32_TOL, rtol=F32_TOL)
 
 
+  @pytest.mark.parametrize("tuning", [
+      None, PagedAttentionTuning(pages_per_compute_block=2, k_splits=2)],
+      ids=["one-split", "two-splits"])
+  def test_corrupt_page_table_poisons_only_the_rows_that_need_it(self, tuning):
+    """A needed page id outside the pool makes exactly the rows that need it NaN.
+
+    Every page of the pool holds data (no spare pages, full lanes), so a kernel that clamped
+    the id would read another lane's page and return finite numbers."""
+    page_size, ppl, hd = 8, 4, 32
+    full = ppl * page_size
+    # lane 2: rows at positions 23 and 24; only row 1 needs page 3 (positions 24..31).
+    args = make_case(5, kv_lens=[full, full, 25, full], q_lens=[2, 2, 2, 0], tq=2, nq=4,
+                     nkv=2, hd=hd, page_size=page_size, pages_per_lane=ppl, spare_pages=0)
+    q, k_pages, v_pages, table, kv_lens, q_lens = args
+    num_pages = k_pages.shape[1]
+    clean = np.asarray(paged_attention_reference(*args, sm_scale=hd ** -0.5))
+    bad = np.array(table)
+    bad[1, 1] = num_pages + 3  # a clamp would read page num_pages - 1
+    bad[2, 3] = -1             # a clamp would read page 0
+    bad[3, 0] = -7             # lane 3 is idle (q_len 0): it needs no page
+    args = (q, k_pages, v_pages, jnp.asarray(bad), kv_lens, q_lens)
+    for out in (self.run(args, hd ** -0.5, tuning),
+                paged_attention_reference(*args, sm_scale=hd ** -0.5)):
+      out = np.asarray(out)
+      np.testing.assert_allclose(out[0], clean[0], atol=F32_TOL, rtol=F32_TOL)
+      assert np.isnan(out[1]).all(), "lane 1 read a page outside the pool without NaN"
+      np.testing.assert_allclose(out[2, 0], clean[2, 0], atol=F32_TOL, rtol=F32_TOL)
+      assert np.isnan(out[2, 1]).all(), "lane 2 row 1 read a page outside the pool"
+      np.testing.assert_array_equal(out[3], 0.0)
+
+
 if jax.default_backend() == "gpu":
 
   class TestPagedAttentionCompiled(TestPagedAttention):
@@ -195,6 +226,26 @@ def test_write_kv_matches_loop_spec_and_leaves_rest_untouched():
   np.testing.assert_array_equal(v_out, v_ref)
   written = ~np.isnan(k_out[0, ..., 0])
   assert written.sum() == 3 + 6  # lane 2 (q_len 0) wrote nothing
+
+
+def test_write_kv_drops_writes_to_pages_outside_the_pool():
+  """Corrupt entries write nothing: -2 must not wrap around to page num_pages - 2 (a spare
+  page here, NaN, that must stay NaN) and num_pages + 5 must not be clamped."""
+  k_pages, v_pages, k_new, v_new, table, kv_lens, q_lens = _write_case(0)
+  num_pages = k_pages.shape[1]
+  bad = np.array(table)
+  assert num_pages - 2 not in bad
+  bad[1, 2] = -2               # lane 1 writes positions 11..16: pages 2, 3, 4
+  bad[0, 0] = num_pages + 5    # lane 0 writes positions 0..2: page 0
+  k_out, v_out = write_kv(k_pages, v_pages, k_new, v_new, jnp.asarray(bad), kv_lens, q_lens)
+  # expected: the clean writes, minus those of the two corrupt entries
+  k_ref, v_ref = write_kv_reference(k_pages, v_pages, k_new, v_new, table, kv_lens, q_lens)
+  for ref in (k_ref, v_ref):
+    ref[:, int(table[1, 2]), 3] = np.nan      # position 11 = page 2, slot 3
+    ref[:, int(table[0, 0]), :3] = np.nan     # positions 0..2
+  np.testing.assert_array_equal(np.asarray(k_out), k_ref)
+  np.testing.assert_array_equal(np.asarray(v_out), v_ref)
+  assert np.isnan(np.asarray(k_out)[:, num_pages - 2]).all()
 
 
 def test_write_kv_bf16_pool_casts():
@@ -265,6 +316,44 @@ def test_paged_attention_compiled_needs_power_of_two_page_size():
 def test_tuning_rejects(field, value):
   with pytest.raises(ValueError, match=field):
     PagedAttentionTuning(**{field: value})
+
+
+def test_compiled_key_block_should_be_at_least_16_tokens():
+  """Triton dots need every dimension >= 16: a 2 x 4-token key block is rejected."""
+  a = _valid_args()   # page_size 4, head_dim 16
+  fn = functools.partial(paged_attention, sm_scale=1.0,
+                         tuning=PagedAttentionTuning(pages_per_compute_block=2))
+  with pytest.raises(ValueError, match="key block .* at least 16 tokens"):
+    jax.jit(fn).trace(**a)
+  # the interpreter has no such limit; and a 4 x 4 block is fine compiled
+  jax.jit(functools.partial(fn, interpret=True)).trace(**a)
+  jax.jit(functools.partial(paged_attention, sm_scale=1.0,
+                            tuning=PagedAttentionTuning(pages_per_compute_block=4))).trace(**a)
+
+
+def test_compiled_key_block_is_not_cut_below_16_by_a_short_table():
+  """A short page table (2 pages of 4) no longer shrinks the compiled key block to 8 tokens."""
+  a = _bad(page_tables=jnp.zeros((2, 2), jnp.int32))
+  text = jax.jit(functools.partial(paged_attention, sm_scale=1.0)).trace(**a).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in text
+  from pallas_kernels.paged_attention import _key_block_pages
+  tuning = PagedAttentionTuning(pages_per_compute_block=16)
+  assert _key_block_pages(tuning, 4, 2, interpret=False) * 4 == 16
+  assert _key_block_pages(tuning, 4, 2, interpret=True) == 2
+
+
+def test_compiled_head_dim_should_be_at_least_16():
+  a = _bad(q=jnp.zeros((2, 4, 4, 8)), k_pages=jnp.zeros((2, 8, 4, 8)),
+           v_pages=jnp.zeros((2, 8, 4, 8)))
+  with pytest.raises(ValueError, match="head_dim >= 16"):
+    jax.jit(functools.partial(paged_attention, sm_scale=1.0)).trace(**a)
+
+
+def test_tuning_table_entries_are_valid_for_triton():
+  from pallas_kernels import PAGED_ATTENTION_TABLE
+  for (hd, page_size, _), t in PAGED_ATTENTION_TABLE.items():
+    assert hd >= 16 and t.pages_per_compute_block * page_size >= 16
 
 
 def test_tuning_table_lookup():
