@@ -7,6 +7,12 @@ the page that holds the lane's positions [j * page_size, (j + 1) * page_size). E
 does not own hold `num_pages` (out of range): `pallas_kernels.write_kv` drops writes routed
 there, so a missing reservation can never overwrite another lane's page.
 
+The table is checked every time it is read (`PageAllocator.table`, which the engine reads
+before every program call): an owned entry outside [0, num_pages), an entry past the lane's
+pages that is not the `num_pages` sentinel, or a page held twice raises `CorruptPageTableError`
+naming the lane and entry. Inside a program nothing can raise, so the kernels add a backstop:
+rows that need a page id outside the pool come out NaN (pallas_kernels.paged_attention).
+
 Pages are allocated incrementally as a sequence grows (`reserve(lane, n_tokens)` makes sure
 positions [0, n_tokens) have pages) and all freed at once when the lane's request ends or is
 preempted (`free(lane)`). Freed pages go on top of a LIFO free list, so page tables become
@@ -29,6 +35,46 @@ class OutOfPagesError(RuntimeError):
         self.lane, self.needed, self.free, self.total = lane, needed, free, total
         super().__init__(f"out of pages: lane {lane} needs {needed} more page(s) of "
                          f"{page_size} tokens, {free} free of {total}")
+
+
+class CorruptPageTableError(ValueError):
+    """The page table holds an entry the allocator never handed out (names lane and entry)."""
+
+    def __init__(self, lane: int, entry: int, page: int, what: str):
+        self.lane, self.entry, self.page = lane, entry, page
+        super().__init__(f"corrupt page table: lane {lane} entry {entry} holds page {page}: "
+                         f"{what}")
+
+
+def validate_page_table(table: np.ndarray, owned, num_pages: int) -> None:
+    """Host-side check of a page table i32[lanes, pages_per_lane] against what each lane owns.
+
+    Lane b owns entries [0, owned[b]): each must be a page id in [0, num_pages), and no page
+    may appear twice in the whole table; every entry past them must be `num_pages` (the
+    sentinel whose writes are dropped). Raises CorruptPageTableError for the first violation.
+    Vectorised: a few microseconds for an engine's table, cheap enough for every step.
+    """
+    table = np.asarray(table)
+    owned = np.asarray(owned)
+    own = np.arange(table.shape[1])[None, :] < owned[:, None]
+    out = own & ((table < 0) | (table >= num_pages))
+    if out.any():
+        b, j = map(int, np.argwhere(out)[0])
+        raise CorruptPageTableError(b, j, int(table[b, j]),
+                                    f"outside the pool [0, {num_pages})")
+    stray = ~own & (table != num_pages)
+    if stray.any():
+        b, j = map(int, np.argwhere(stray)[0])
+        raise CorruptPageTableError(b, j, int(table[b, j]),
+                                    f"past the lane's {int(owned[b])} owned page(s), where "
+                                    f"only the sentinel {num_pages} may stand")
+    ids = table[own]
+    counts = np.bincount(ids, minlength=num_pages)
+    if (counts > 1).any():
+        page = int(np.flatnonzero(counts > 1)[0])
+        holders = [tuple(map(int, x)) for x in np.argwhere(own & (table == page))]
+        (b, j), (b0, j0) = holders[-1], holders[0]
+        raise CorruptPageTableError(b, j, page, f"also held by lane {b0} entry {j0}")
 
 
 def pages_for(n_tokens: int, page_size: int) -> int:
@@ -60,9 +106,16 @@ class PageAllocator:
                 raise ValueError(f"{name} must be >= 1, got {v}")
         self.num_pages, self.page_size = num_pages, page_size
         self.max_lanes, self.pages_per_lane = max_lanes, pages_per_lane
-        self.table = np.full((max_lanes, pages_per_lane), num_pages, np.int32)
+        self._table = np.full((max_lanes, pages_per_lane), num_pages, np.int32)
         self._owned = [0] * max_lanes              # pages held by each lane (a table prefix)
         self._free = list(range(num_pages - 1, -1, -1))   # pop() hands out 0, 1, 2, ... first
+
+    @property
+    def table(self) -> np.ndarray:
+        """The page table i32[max_lanes, pages_per_lane], validated on every read
+        (`validate_page_table`): what the engine sends to the device is never corrupt."""
+        validate_page_table(self._table, self._owned, self.num_pages)
+        return self._table
 
     @property
     def free_pages(self) -> int:
@@ -97,15 +150,15 @@ class PageAllocator:
         if need > len(self._free):
             raise OutOfPagesError(lane, need, len(self._free), self.num_pages, self.page_size)
         for _ in range(need):
-            self.table[lane, self._owned[lane]] = self._free.pop()
+            self._table[lane, self._owned[lane]] = self._free.pop()
             self._owned[lane] += 1
         return need
 
     def free(self, lane: int) -> int:
         """Return all of the lane's pages to the pool; returns how many."""
         n = self._owned[lane]
-        self._free.extend(int(p) for p in self.table[lane, :n][::-1])
-        self.table[lane] = self.num_pages
+        self._free.extend(int(p) for p in self._table[lane, :n][::-1])
+        self._table[lane] = self.num_pages
         self._owned[lane] = 0
         return n
 
@@ -114,11 +167,11 @@ class PageAllocator:
 
     def check(self) -> None:
         """Invariants (tests): every page is either free or owned by exactly one lane."""
-        owned = [int(p) for b in range(self.max_lanes) for p in self.table[b, :self._owned[b]]]
+        owned = [int(p) for b in range(self.max_lanes) for p in self._table[b, :self._owned[b]]]
         allp = owned + list(self._free)
         if sorted(allp) != list(range(self.num_pages)):
             raise AssertionError(f"page accounting broken: owned {sorted(owned)}, "
                                  f"free {sorted(self._free)}")
         for b in range(self.max_lanes):
-            if np.any(self.table[b, self._owned[b]:] != self.num_pages):
+            if np.any(self._table[b, self._owned[b]:] != self.num_pages):
                 raise AssertionError(f"lane {b} has table entries past its owned pages")
