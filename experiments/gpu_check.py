@@ -6,9 +6,12 @@ time-boxed inside `--budget_s` (default 420 s; a model program already compiling
 budget runs out still finishes, so allow ~1 more minute — well under a 10-minute device call):
 
   1. pytest  `pytest tests/test_kernel_paged_attention.py tests/test_kernel_gated_delta.py
-             -k Compiled` in a subprocess, BEFORE this process touches the GPU (JAX
+             -k Compiled` in a subprocess with MTPJAX_TEST_PLATFORM=gpu (tests/conftest.py
+             otherwise pins the tests to CPU), BEFORE this process touches the GPU (JAX
              preallocates most of the GPU memory in whichever process starts first). Those
-             files define their `...Compiled` subclasses only when the backend is gpu.
+             files define their `...Compiled` subclasses only when the backend is gpu. The
+             part passes only if the tests ran on a gpu backend, at least one compiled test
+             ran, and none failed, errored or was skipped (read from a --junitxml report).
   2. kernels Triton kernels alone, at 27B shapes, each in one jitted program that calls the
              kernel L times on distinct buffers (L sized so that they exceed the 50 MB L2, so
              nothing is served from cache) and reports the median time per call:
@@ -39,8 +42,11 @@ Needs a CUDA-enabled jaxlib on the GPU machine (the project venv here is CPU-onl
 expect roughly: pytest 1-2.5 min, kernels < 1 min, model 2-4 min (synthetic init ~15 s, then a
 compile of tens of seconds per program); everything is cut off by the budget above.
 
-Writes `--out` and prints a summary table; the last stdout line is the JSON document. Exit
-status 1 when a part failed (an exception, failing tests, or the pytest time-out).
+Writes `--out` and prints a summary table; the last stdout line is the JSON document. `ok` is
+true, and the exit status 0, only when nothing failed, fell back or was skipped: `failures`
+lists every reason otherwise (failing, skipped or no compiled tests, tests not on a GPU, the
+pytest time-out, a kernel or model error, a kernel or model entry skipped for the time budget,
+paged attention failing and the model part falling back to contiguous KV, no GPU backend).
 """
 
 from __future__ import annotations
@@ -52,8 +58,10 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
+import xml.etree.ElementTree as ET
 from functools import partial
 
 from absl import flags
@@ -116,34 +124,99 @@ def _apply_smoke_defaults():
 # 1. pytest
 # --------------------------------------------------------------------------------------------
 
-def run_pytest(smoke: bool, timeout_s: float) -> dict:
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *KERNEL_TEST_FILES]
+def parse_junit(path: str) -> dict:
+    """Counts of a pytest --junitxml report, the compiled tests among them and the backend
+    that tests/conftest.py recorded (property `jax_backend`)."""
+    root = ET.parse(path).getroot()
+    cases = root.findall(".//testcase")
+    props = {p.get("name"): p.get("value") for p in root.iter("property")}
+    out = {"tests": len(cases), "failed": 0, "errors": 0, "skipped": 0, "compiled": 0,
+           "skipped_tests": [], "backend": props.get("jax_backend")}
+    for c in cases:
+        name = f"{c.get('classname')}.{c.get('name')}"
+        out["compiled"] += "Compiled" in (c.get("classname") or "")
+        if c.find("failure") is not None:
+            out["failed"] += 1
+        elif c.find("error") is not None:
+            out["errors"] += 1
+        elif c.find("skipped") is not None:
+            out["skipped"] += 1
+            out["skipped_tests"].append(name)
+    return out
+
+
+def pytest_problems(rc, timed_out: bool, counts: dict | None, smoke: bool) -> list[str]:
+    """Why the pytest part is not ok (empty: ok). smoke only collects, on CPU."""
+    if timed_out:
+        return ["timed out"]
+    if smoke:
+        if rc != 0:
+            return [f"collection failed (exit {rc})"]
+        if not counts or counts["tests"] == 0:
+            return ["collected no tests"]
+        return []
+    why = []
+    if rc == 4:
+        why.append("pytest usage error (exit 4): the tests did not start on a GPU "
+                   "(MTPJAX_TEST_PLATFORM=gpu)")
+    elif rc == 5:
+        why.append("no test matched -k (exit 5)")
+    elif rc != 0:
+        why.append(f"pytest exit status {rc}")
+    if counts is None:
+        return why + ["no junit report"]
+    if counts["backend"] != "gpu":
+        why.append(f"tests ran on {counts['backend']}, not on a gpu backend")
+    if counts["tests"] == 0:
+        why.append("no test ran")
+    elif counts["compiled"] == 0:
+        why.append("no compiled (...Compiled) kernel test ran")
+    if counts["failed"] or counts["errors"]:
+        why.append(f"{counts['failed']} failed, {counts['errors']} errors")
+    if counts["skipped"]:
+        why.append(f"{counts['skipped']} skipped: {', '.join(counts['skipped_tests'][:5])}")
+    return why
+
+
+def run_pytest(smoke: bool, timeout_s: float, pytest_k: str) -> dict:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+           *KERNEL_TEST_FILES]
     mode = "collect-only" if smoke else "compiled"
-    cmd += ["--collect-only"] if smoke else ["-k", FLAGS.pytest_k]
+    cmd += ["--collect-only"] if smoke else ["-k", pytest_k]
+    # The compiled subclasses exist only on a gpu backend; conftest pins tests to CPU unless
+    # told otherwise, and stops the session if a GPU was asked for and is not there.
+    env = dict(os.environ, MTPJAX_TEST_PLATFORM="cpu" if smoke else "gpu")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    log(f"[pytest] {' '.join(cmd[1:])} (timeout {timeout_s:.0f} s)")
+    log(f"[pytest] MTPJAX_TEST_PLATFORM={env['MTPJAX_TEST_PLATFORM']} {' '.join(cmd[1:])} "
+        f"(timeout {timeout_s:.0f} s)")
     t = time.monotonic()
-    try:
-        p = subprocess.run(cmd, cwd=root, capture_output=True, text=True, timeout=timeout_s)
-        rc, text, timed_out = p.returncode, p.stdout + p.stderr, False
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
-        rc, text, timed_out = None, out, True
-    lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+    with tempfile.TemporaryDirectory() as tmp:
+        xml = os.path.join(tmp, "junit.xml")
+        try:
+            p = subprocess.run(cmd + [f"--junitxml={xml}"], cwd=root, env=env,
+                               capture_output=True, text=True, timeout=max(timeout_s, 1.0))
+            rc, text, timed_out = p.returncode, p.stdout + p.stderr, False
+        except subprocess.TimeoutExpired as e:
+            out = e.stdout.decode() if isinstance(e.stdout, bytes) else (e.stdout or "")
+            rc, text, timed_out = None, out, True
+        lines = [ln for ln in text.strip().splitlines() if ln.strip()]
+        counts = parse_junit(xml) if os.path.exists(xml) else None
     summary = lines[-1] if lines else ""
     if smoke and rc == 0:   # -q --collect-only prints "path: count" per file
-        counts = [ln.rsplit(": ", 1) for ln in lines if ln.startswith("tests/") and ": " in ln]
-        n = sum(int(c) for _, c in counts if c.isdigit())
-        summary = f"collected {n} tests in {len(counts)} files"
-    # rc 5 = nothing collected: -k Compiled matched no test, i.e. the backend is not gpu.
-    ok = rc == 0
+        per_file = [ln.rsplit(": ", 1) for ln in lines if ln.startswith("tests/") and ": " in ln]
+        n = sum(int(c) for _, c in per_file if c.isdigit())
+        counts = {**(counts or {}), "tests": n}
+        summary = f"collected {n} tests in {len(per_file)} files"
+    why = pytest_problems(rc, timed_out, counts, smoke)
+    ok = not why
     res = {"mode": mode, "command": " ".join(cmd[1:]), "returncode": rc, "timed_out": timed_out,
-           "summary": summary, "passed": ok, "elapsed_s": time.monotonic() - t}
+           "summary": summary, "counts": counts, "passed": ok,
+           "elapsed_s": time.monotonic() - t}
     if not ok:
+        res["why"] = "; ".join(why)
         res["tail"] = "\n".join(lines[-40:])
-        if rc == 5:
-            res["why"] = "no test matched -k (compiled subclasses exist only on a gpu backend)"
-    log(f"[pytest] {'ok' if ok else 'FAILED'}: {summary} ({res['elapsed_s']:.1f} s)")
+    log(f"[pytest] {'ok' if ok else 'FAILED'}: {summary} ({res['elapsed_s']:.1f} s)"
+        + ("" if ok else f" -- {res['why']}"))
     return res
 
 
@@ -393,6 +466,33 @@ def run_model(smoke: bool, deadline: float) -> dict:
 # Summary and main
 # --------------------------------------------------------------------------------------------
 
+def failures(doc: dict) -> list[str]:
+    """Every reason the run is not ok: a failure, a fallback or a skip anywhere."""
+    why = []
+    if doc.get("error"):
+        why.append(f"backend: {doc['error']}")
+    p = doc.get("pytest")
+    if p and not p["passed"]:
+        why.append(f"pytest: {p.get('why', 'failed')}")
+    for r in doc.get("kernels") or []:
+        if "error" in r:
+            why.append(f"kernels: {r['kernel']}: {r['error']}")
+        elif "skipped" in r:
+            why.append(f"kernels: {r['kernel']}: skipped ({r['skipped']})")
+    m = doc.get("model")
+    if m:
+        if "error" in m:
+            why.append(f"model: {m['error']}")
+        if m.get("kv_fallback"):
+            why.append(f"model: paged attention failed, fell back to contiguous KV "
+                       f"({m['kv_fallback']})")
+        for r in m.get("results", []):
+            if "skipped" in r:
+                why.append(f"model: {r['program']} B={r['batch']} C={r['context_len']} "
+                           f"skipped ({r['skipped']})")
+    return why
+
+
 def summary_table(doc: dict) -> str:
     lab = "" if doc["roofline_applies"] else "  [roofline of an H200; not this device]"
     out = [f"gpu_check summary ({doc['device'].get('device_kind')}, smoke={doc['smoke']}, "
@@ -448,7 +548,8 @@ def main(argv):
     failed = []
 
     if "pytest" in parts:   # first: before this process initialises (and fills) the GPU
-        doc["pytest"] = run_pytest(smoke, min(FLAGS.pytest_timeout_s, deadline - time.monotonic()))
+        doc["pytest"] = run_pytest(smoke, min(FLAGS.pytest_timeout_s, deadline - time.monotonic()),
+                                   FLAGS.pytest_k)
         if not doc["pytest"]["passed"]:
             failed.append("pytest")
 
@@ -467,7 +568,7 @@ def main(argv):
         log(f"[kernels] {'interpret' if interpret else 'compiled'}, budget "
             f"{kdeadline - time.monotonic():.0f} s")
         doc["kernels"] = run_kernels(smoke, interpret, FLAGS.iters, FLAGS.hbm_gbps, kdeadline)
-        if any("error" in r for r in doc["kernels"]):
+        if any("error" in r or "skipped" in r for r in doc["kernels"]):
             failed.append("kernels")
 
     if "model" in parts:
@@ -477,11 +578,18 @@ def main(argv):
             traceback.print_exc()
             doc["model"] = {"error": f"{type(e).__name__}: {e}"}
             failed.append("model")
+        m = doc["model"]
+        if "model" not in failed and (m.get("kv_fallback") or
+                                      any("skipped" in r for r in m.get("results", []))):
+            failed.append("model")
 
     doc["elapsed_s"] = time.monotonic() - t0
     doc["failed_parts"] = failed
-    doc["ok"] = not failed
+    doc["failures"] = failures(doc)
+    doc["ok"] = not failed and not doc["failures"]
     log(summary_table(doc))
+    for why in doc["failures"]:
+        log(f"NOT OK: {why}")
     bench.write_json(FLAGS.out, doc)
     if FLAGS.out:
         log(f"wrote {FLAGS.out}")

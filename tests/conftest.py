@@ -1,10 +1,57 @@
+"""Test session set-up: the JAX platform, float32 matmuls, the tests folder on sys.path.
+
+Platform. By default the tests run on CPU (JAX_PLATFORMS=cpu), in float32, without grabbing a
+GPU. MTPJAX_TEST_PLATFORM chooses otherwise:
+  cpu (default)  JAX_PLATFORMS=cpu unless JAX_PLATFORMS is already set
+  gpu / cuda     JAX_PLATFORMS=cuda unless already set, and the session stops with an error
+                 unless JAX comes up on a GPU (the kernel tests' `...Compiled` subclasses
+                 exist only there; `python -m experiments gpu_check` runs them this way)
+  auto           leave JAX's own platform choice alone
+An explicitly set JAX_PLATFORMS always wins. The backend the session ran on is shown in the
+header and recorded as the `jax_backend` property of a --junitxml report.
+"""
+
 import os
 import sys
 
-# Tests run on CPU in float32; keep XLA from grabbing every core for a tiny model.
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
+import pytest
+
+PLATFORMS = {"cpu": "cpu", "gpu": "cuda", "cuda": "cuda", "auto": None}
+REQUESTED = os.environ.get("MTPJAX_TEST_PLATFORM", "cpu").strip().lower()
+if REQUESTED not in PLATFORMS:
+    raise pytest.UsageError(f"MTPJAX_TEST_PLATFORM={REQUESTED!r}: choose one of "
+                            f"{', '.join(PLATFORMS)}")
+if PLATFORMS[REQUESTED]:
+    os.environ.setdefault("JAX_PLATFORMS", PLATFORMS[REQUESTED])
 sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def _backend() -> str:
+    try:
+        return jax.default_backend()
+    except Exception as e:  # noqa: BLE001 - e.g. JAX_PLATFORMS=cuda without a GPU (jax
+        # 0.10 raises an AssertionError once its plugin failed to initialise)
+        raise pytest.UsageError(f"MTPJAX_TEST_PLATFORM={REQUESTED}, JAX_PLATFORMS="
+                                f"{os.environ.get('JAX_PLATFORMS')}: JAX has no such backend "
+                                f"here ({type(e).__name__}: {e})") from e
+
+
+def pytest_sessionstart(session):
+    backend = _backend()
+    if REQUESTED in ("gpu", "cuda") and backend != "gpu":
+        raise pytest.UsageError(f"MTPJAX_TEST_PLATFORM={REQUESTED} but JAX runs on {backend} "
+                                f"(JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')})")
+
+
+def pytest_report_header(config):
+    return [f"jax backend: {_backend()} (MTPJAX_TEST_PLATFORM={REQUESTED}, "
+            f"JAX_PLATFORMS={os.environ.get('JAX_PLATFORMS')})"]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _record_jax_backend(record_testsuite_property):
+    record_testsuite_property("jax_backend", _backend())
