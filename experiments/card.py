@@ -18,21 +18,31 @@ def render_md(c: dict) -> str:
     lines.append(f"checkpoint `{st['checkpoint']}` · dtype {st['dtype']} · k = {st['k']} · kernels "
                  f"{st['kernels']} · device {st['device']} ({st['backend']}) · jax "
                  f"{st['versions']['jax']} · {st['passes']} passes · wall {st['wall_s']:.0f} s")
-    lines += ["", "| workload | lanes | requests | ratio (median) | passes | stock tok/s | candidate tok/s | tokens/verify step | page use |",
-              "|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "| workload | lanes | requests | ratio (median) | passes | stock tok/s | candidate tok/s | tokens/verify step | page use (mean) | page use while waiting (stock / candidate) |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for w, r in c["ratios"].items():
         t = c["throughput"][w]
         util = c["page_utilization"].get(w)
+        pu = c.get("page_use", {}).get(w, {})
         lines.append(f"| {w} | {st['lanes'][w]} | {st['requests'][w]} | **{r['ratio']:.3f}** | "
                      f"{', '.join(f'{x:.3f}' for x in r['passes'])} | "
                      f"{', '.join(f'{x:.1f}' for x in t['stock_tok_s'])} | "
                      f"{', '.join(f'{x:.1f}' for x in t['candidate_tok_s'])} | "
-                     f"{c['acceptance'][w]:.3f} | {_fmt(util, 2)} |")
+                     f"{c['acceptance'][w]:.3f} | {_fmt(util, 2)} | "
+                     f"{_fmt(pu.get('stock'), 2)} / {_fmt(pu.get('candidate'), 2)} |")
     lines += ["", f"**SpecScore {c['specscore']:.3f}** (geometric mean of the workload ratios) · "
               f"score {c['score']:.3f} · gate: {'PASS' if c['reason'] is None else 'FAIL (' + c['reason'] + ')'}", ""]
     lk, am, m = c["likelihood"], c["argmax"], c["memory"]
-    lines += ["| check | measured | limit | verdict |", "|---|---|---|---|",
-              f"| memory | candidate {m['peak_mib']:.1f} MiB vs stock {m['stock_peak_mib']:.1f} MiB ({m['how']}) | <= stock + {L['memory_slack_mib']:.0f} MiB | {ok(c['checks']['memory'])} |",
+    proc = ("" if m.get("process_peak_mib") is None else
+            f"; process-wide device peak, all engines: {m['process_peak_mib']:.1f} MiB")
+    lines += ["| check | measured | limit | verdict |", "|---|---|---|---|"]
+    if "busy_page_use" in c["checks"]:
+        pu = c["page_use"]["busy"]
+        lines.append(f"| busy_page_use (workload validity) | stock {_fmt(pu.get('stock'), 3)}, "
+                     f"candidate {_fmt(pu.get('candidate'), 3)} of {pu.get('pages')} pages, "
+                     f"while requests wait | >= {L['busy_page_use_floor']} | "
+                     f"{ok(c['checks']['busy_page_use'])} |")
+    lines += [f"| memory | candidate {m['peak_mib']:.1f} MiB vs stock {m['stock_peak_mib']:.1f} MiB ({m['how']}{proc}) | <= stock + {L['memory_slack_mib']:.0f} MiB | {ok(c['checks']['memory'])} |",
               f"| fidelity | {c['fidelity']:.2e} mean abs log-prob diff | <= {L['fidelity_ceiling']} | {ok(c['checks']['fidelity'])} |",
               f"| likelihood | gap {lk['gap']:+.4f} ± {1.96 * lk['se']:.4f} (cand {lk['candidate']:.4f}, stock {lk['stock']:.4f}) | ±{L['likelihood_bound']} | {ok(c['checks']['likelihood'])} |",
               f"| argmax | gap {am['gap']:+.4f} ± {1.96 * am['se']:.4f} (cand {am['candidate']:.4f}, stock {am['stock']:.4f}) | ±{L['argmax_bound']} | {ok(c['checks']['argmax'])} |",

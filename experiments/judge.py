@@ -7,8 +7,10 @@ pool. Order of work:
   1. warm-up: every engine/workload pair runs once untimed (compiles every shape)
   2. passes: per workload, `--passes` passes alternating stock-first / candidate-first;
      ratio of a pass = candidate tokens/s / stock tokens/s; workload ratio = median
-  3. gate: memory, fidelity (teacher-forced verify path vs decode path), likelihood and argmax
-     of sampled replies scored by the stock model, sampled/greedy agreement, reply lengths
+  3. gate: memory (each engine's own peak, measured in its own phase), fidelity (teacher-forced
+     through the engines' paged programs: the verify path vs the decode path), likelihood and
+     argmax of sampled replies scored by the stock model, sampled/greedy agreement, reply
+     lengths, and the busy workload's validity (page use >= 0.9 while requests wait)
   4. card: card.md, card.json and plots in --out_dir; the card is printed at the end
 """
 
@@ -30,8 +32,8 @@ from absl import flags
 import mtpjax
 from experiments import card as card_lib
 from experiments import judge_gate as gate
-from mtpjax import model
-from mtpjax.sampling import SamplingParams
+from mtpjax import model, steps
+from mtpjax.sampling import LaneSampling, SamplingParams
 
 FLAGS = flags.FLAGS
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -51,7 +53,9 @@ flags.DEFINE_integer("team_lanes", 8, "lanes of the team workload")
 flags.DEFINE_integer("team_requests", 16, "requests in the team workload")
 flags.DEFINE_integer("busy_lanes", 16, "lanes of the busy workload")
 flags.DEFINE_integer("busy_requests", 32, "requests in the busy workload")
-flags.DEFINE_float("busy_fill", 0.8, "busy pool size as a fraction of the pages all lanes would want")
+flags.DEFINE_float("busy_fill", 0.6, "busy pool size as a fraction of the pages all lanes would "
+                   "want (0.6 keeps 0.93 stock / 0.92 candidate of the pages in use while "
+                   "requests wait, on checkpoints/tiny; the gate needs >= 0.9)")
 flags.DEFINE_integer("page_size", 16, "KV page size (tokens)")
 flags.DEFINE_integer("prompt_tokens", 48, "prompt length cap (tokens)")
 flags.DEFINE_float("temperature", 0.0, "sampling temperature of the throughput workloads")
@@ -63,6 +67,9 @@ flags.DEFINE_float("argmax_bound", 0.01, "gate limit")
 flags.DEFINE_float("fidelity_ceiling", 0.02, "gate limit")
 flags.DEFINE_float("length_margin", 0.05, "gate limit")
 flags.DEFINE_float("memory_slack_mib", 4096, "gate limit")
+flags.DEFINE_float("busy_page_use_floor", 0.9, "busy workload validity: least page use while "
+                   "requests wait, for both engines")
+flags.DEFINE_integer("fidelity_lanes", 16, "lanes of the fidelity engines (texts per batch)")
 flags.DEFINE_float("greedy_agreement_floor", None, "optional gate floor")
 flags.DEFINE_integer("seed", 0, "base seed of sampled requests")
 flags.DEFINE_bool("progress", True, "show a progress bar")
@@ -83,13 +90,14 @@ class JudgeConfig:
     team_requests: int = 16
     busy_lanes: int = 16
     busy_requests: int = 32
-    busy_fill: float = 0.8
+    busy_fill: float = 0.6
     page_size: int = 16
     prompt_tokens: int = 48
     temperature: float = 0.0
     sample_temperature: float = 1.0
     gate_prompts: int = 24
     fidelity_tokens: int = 32
+    fidelity_lanes: int = 16
     seed: int = 0
     progress: bool = True
     limits: gate.Limits = gate.Limits()
@@ -104,10 +112,11 @@ def _from_flags() -> JudgeConfig:
         team_requests=f.team_requests, busy_lanes=f.busy_lanes, busy_requests=f.busy_requests,
         busy_fill=f.busy_fill, page_size=f.page_size, prompt_tokens=f.prompt_tokens,
         temperature=f.temperature, sample_temperature=f.sample_temperature,
-        gate_prompts=f.gate_prompts, fidelity_tokens=f.fidelity_tokens, seed=f.seed,
-        progress=f.progress,
+        gate_prompts=f.gate_prompts, fidelity_tokens=f.fidelity_tokens,
+        fidelity_lanes=f.fidelity_lanes, seed=f.seed, progress=f.progress,
         limits=gate.Limits(f.greedy_agreement_floor, f.likelihood_bound, f.argmax_bound,
-                           f.fidelity_ceiling, f.length_margin, f.memory_slack_mib))
+                           f.fidelity_ceiling, f.length_margin, f.memory_slack_mib,
+                           f.busy_page_use_floor))
 
 
 # ------------------------------------------------------------------------------- inputs
@@ -142,18 +151,43 @@ def make_engine(cfg, params, jc: JudgeConfig, k: int, lanes: int, num_pages: int
                          num_pages=num_pages)
 
 
-def engine_bytes(engine) -> int:
-    """Bytes of the device buffers an engine holds (params + caches + lane state)."""
-    trees = [engine.params, engine.cache, engine.state]
-    return int(sum(x.nbytes for t in trees for x in jax.tree.leaves(t)))
+MEMORY_HOW = ("each engine's own phase: peak bytes of the live device arrays its run holds "
+              "(params, caches, lane state, step inputs and outputs), sampled after every "
+              "committed token; other engines' buffers excluded; XLA temporaries inside a "
+              "step are not included")
 
 
-def peak_device_mib(engine) -> tuple[float, str]:
+def generate_measuring_memory(engine, prompts, params):
+    """engine.generate in its own memory phase: (outputs, peak bytes of the run).
+
+    Every device array alive when the phase starts that is not the engine's own (its params,
+    cache and lane state) belongs to someone else and is left out; everything else alive at a
+    sample point is charged to this engine's run. The process-wide `peak_bytes_in_use` of a
+    GPU cannot do this (it never resets and covers every engine), so it is only reported
+    beside (`process_peak_mib`).
+    """
+    own = {id(x) for x in jax.tree.leaves((engine.params, engine.cache, engine.state))}
+    others = {id(x) for x in jax.live_arrays()} - own
+    peak = 0
+
+    def sample(*_):
+        nonlocal peak
+        live = {id(x): x for x in jax.live_arrays() if id(x) not in others}
+        peak = max(peak, sum(x.nbytes for x in live.values()))
+
+    sample()
+    outs = engine.generate(prompts, params, on_token=sample)
+    sample()
+    return outs, peak
+
+
+def process_peak_mib() -> float | None:
+    """The device's process-wide peak (GPU), for the card only: it is shared by all engines."""
     dev = jax.devices()[0]
     stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
     if stats and "peak_bytes_in_use" in stats:
-        return stats["peak_bytes_in_use"] / 2 ** 20, "device peak_bytes_in_use"
-    return engine_bytes(engine) / 2 ** 20, "cpu: bytes of the engine's device buffers"
+        return stats["peak_bytes_in_use"] / 2 ** 20
+    return None
 
 
 # ------------------------------------------------------------------------------- workloads
@@ -182,12 +216,21 @@ def workload_params(jc: JudgeConfig, n: int):
 
 
 def timed_generate(engine, prompts, params):
-    util = []
+    """One timed pass. page_util: mean page use over the pass, sampled at every committed
+    token; page_use_waiting: the same over the steady state of a loaded server, from the time
+    every lane has emitted (the ramp-up, when lanes wait for their prefill, is left out) to the
+    time the last request starts (the drain is left out). None if there is no such window
+    (as many lanes as requests). The busy workload must keep it >= 0.9."""
+    util, waiting, started = [], [], set()
+    full = min(engine.max_lanes, len(prompts))
 
     def on_token(i, ids):
+        started.add(i)
         s = engine.stats()
         if "free_pages" in s and s.get("total_pages"):
             util.append(1 - s["free_pages"] / s["total_pages"])
+            if full <= len(started) < len(prompts):
+                waiting.append(util[-1])
 
     for key in ("prefill_s", "step_s", "host_s", "steps"):
         engine.timing[key] = 0
@@ -199,7 +242,8 @@ def timed_generate(engine, prompts, params):
         raise RuntimeError(f"judge request failed: {errors[0]}")
     tokens = sum(len(o.token_ids) for o in outs)
     return {"outs": outs, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
-            "timing": dict(engine.timing), "page_util": float(np.mean(util)) if util else None}
+            "timing": dict(engine.timing), "page_util": float(np.mean(util)) if util else None,
+            "page_use_waiting": float(np.mean(waiting)) if waiting else None}
 
 
 def acceptance(outs, k: int) -> tuple[float, list[float]]:
@@ -211,55 +255,84 @@ def acceptance(outs, k: int) -> tuple[float, list[float]]:
 
 # ------------------------------------------------------------------------------- gate pieces
 
-@partial(jax.jit, static_argnames=("cfg", "T", "kernels"))
-def _step_logprobs(cfg, params, cache, tokens, start, *, T, kernels):
-    B = tokens.shape[0]
-    h, cache = model.forward(cfg, params, cache, tokens, model.Segment(start, jnp.full((B,), T, jnp.int32)),
-                             "step", kernels)
+@partial(jax.jit, static_argnames=("cfg", "kernels"), donate_argnames=("cache",))
+def _teacher_forced_step(cfg, params, cache, tokens, start, page_table, *, kernels):
+    """Step 1 of `steps.decode_step` (the target forward over a [B, T] block through the paged
+    pool), teacher-forced: every fed token is kept (n_pend = T). Returns log-probs [B, T, V]."""
+    B, T = tokens.shape
+    seg = model.Segment(start, jnp.full((B,), T, jnp.int32), page_table)
+    h, cache = model.forward(cfg, params, cache, tokens, seg, "step", kernels)
     return jax.nn.log_softmax(model.lm_head(params, h), -1), cache
 
 
-@partial(jax.jit, static_argnames=("cfg", "kernels"))
-def _prefill_lp(cfg, params, cache, tokens, kernels):
-    B, T = tokens.shape
-    h, cache = model.forward(cfg, params, cache, tokens, model.Segment.full(B, T), "chunk", kernels)
-    return jax.nn.log_softmax(model.lm_head(params, h[:, -1]), -1), cache
+def paged_path_logprobs(engine, prompt, cont, T: int):
+    """Teacher-forced log-probs of cont[:, 1:] after `prompt`, through an engine's paged path.
 
-
-def path_logprobs(cfg, params, prompt, cont, T: int, kernels: str = "reference"):
-    """Teacher-forced log-probs of cont[:, 1:] after prefilling `prompt`, fed T tokens per step.
-
-    prompt i32[B, P]; cont i32[B, n+1] with n a multiple of T. T = 1 is the stock decode path,
-    T = k+1 the candidate's verify path. Returns float32 [B, n, V] log-probs.
+    engine: an Engine with max_lanes == B (its page pool, allocator and kernels are used).
+    prompt i32[B, P]: prefilled with `steps.prefill_chunk`, the engine's own program, one lane
+    at a time; cont i32[B, n+1] with n a multiple of T is then fed T tokens per step through
+    the same pool (T = 1: stock's decode path; T = k+1: the candidate's verify path). Pages
+    are reserved a page at a time, lane after lane, so the page tables interleave.
+    Returns float32 [B, n] log-probs of the actual next tokens.
     """
-    prompt, cont = jnp.asarray(prompt, jnp.int32), jnp.asarray(cont, jnp.int32)
+    prompt, cont = np.asarray(prompt, np.int32), np.asarray(cont, np.int32)
     (B, P), n = prompt.shape, cont.shape[1] - 1
-    cache = model.init_cache(cfg, B, P + n + 2, T, params.embed.dtype)
-    _, cache = _prefill_lp(cfg, params, cache, prompt, kernels)
+    if engine.max_lanes != B:
+        raise ValueError(f"the engine has {engine.max_lanes} lanes, the batch {B} rows")
+    cfg, params, alloc = engine.cfg, engine.params, engine.alloc
+    for b in range(B):
+        alloc.free(b)
+    total = P + n + 2 * engine.k
+    for end in range(alloc.page_size, total + alloc.page_size, alloc.page_size):
+        for b in range(B):
+            alloc.reserve(b, min(end, total))
+    table = alloc.table
+    lanes = LaneSampling.from_params([SamplingParams()] * B)
+    nxt = np.concatenate([prompt[:, 1:], cont[:, :1]], axis=1)
+    cache, state = engine.cache, engine.state
+    for b in range(B):
+        cache, state, _ = steps.prefill_chunk(
+            cfg, params, cache, state, lanes, jnp.int32(b), jnp.asarray(prompt[b:b + 1]),
+            jnp.asarray(nxt[b:b + 1]), jnp.int32(0), jnp.int32(P), jnp.bool_(True),
+            jnp.asarray(table[b:b + 1]), k=engine.k, kernels=engine.kernels)
     got = []
     for s in range(0, n, T):
-        lp, cache = _step_logprobs(cfg, params, cache, cont[:, s:s + T],
-                                   jnp.full((B,), P + s, jnp.int32), T=T, kernels=kernels)
-        got.append(np.asarray(lp))
+        lp, cache = _teacher_forced_step(cfg, params, cache, jnp.asarray(cont[:, s:s + T]),
+                                         jnp.full((B,), P + s, jnp.int32), jnp.asarray(table),
+                                         kernels=engine.kernels)
+        got.append(np.take_along_axis(np.asarray(lp), cont[:, s + 1:s + T + 1, None], -1)[..., 0])
+    engine.cache, engine.state = cache, state
+    for b in range(B):
+        alloc.free(b)
     return np.concatenate(got, axis=1)
 
 
 def fidelity(cfg, params, texts, jc: JudgeConfig, kernels: str) -> float:
     """Mean |log p_verify - log p_decode| of the true next tokens over the fixed texts.
 
-    Both paths prefill the same prompt; then stock feeds the continuation one token per step
-    (decode path), candidate k+1 tokens per step (verify path), teacher-forced.
+    Two engines as the judge runs them (page pool, page size, kernels), stock (k = 0) and
+    candidate (k): both prefill the same prompt with the engine's prefill program; then stock
+    feeds the continuation one token per step (decode path), candidate k+1 tokens per step
+    (verify path), teacher-forced, through their paged KV pools. Texts go in batches of
+    `fidelity_lanes` lanes (the last batch padded with copies of its first row).
     """
     k = jc.k
     n = (jc.fidelity_tokens // (k + 1)) * (k + 1)
     P = min(len(p) for p, _ in texts)
     rows = [(p[-P:], c[:n + 1]) for p, c in texts if len(c) > n]
     prompt = np.asarray([r[0] for r in rows], np.int32)
-    cont = np.asarray([r[1] for r in rows], np.int32)                   # [B, n+1]
-    idx = cont[:, 1:, None]
-    lp = {T: np.take_along_axis(path_logprobs(cfg, params, prompt, cont, T, kernels), idx, -1)
-          for T in (1, k + 1)}
-    return float(np.abs(lp[k + 1] - lp[1]).mean())
+    cont = np.asarray([r[1] for r in rows], np.int32)                   # [R, n+1]
+    B = min(jc.fidelity_lanes, len(rows))
+    engines = {T: mtpjax.Engine(cfg, params, num_speculative_tokens=T - 1, max_lanes=B,
+                                max_seq_len=P + n + 2, kernels=kernels, page_size=jc.page_size)
+               for T in (1, k + 1)}
+    diffs = []
+    for i in range(0, len(rows), B):
+        real = np.arange(i, i + B) < len(rows)
+        idx = np.where(real, np.arange(i, i + B), i)
+        lp = {T: paged_path_logprobs(e, prompt[idx], cont[idx], T) for T, e in engines.items()}
+        diffs.append(np.abs(lp[k + 1] - lp[1])[real])
+    return float(np.concatenate(diffs).mean())
 
 
 def score_replies(cfg, params, prompts, replies):
@@ -358,9 +431,10 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
     gp = prompts[:jc.gate_prompts]
     sp = [SamplingParams(temperature=jc.sample_temperature, max_new_tokens=jc.max_new_tokens,
                          seed=10_000 + jc.seed + i) for i in range(len(gp))]
-    rep = {}
-    for kk in (0, k):
-        rep[kk] = [o.token_ids for o in engines[(gate_w, kk)].generate(gp, sp)]
+    rep, peak = {}, {}
+    for kk in (0, k):   # each engine in its own memory phase
+        outs, peak[kk] = generate_measuring_memory(engines[(gate_w, kk)], gp, sp)
+        rep[kk] = [o.token_ids for o in outs]
         bar.update(1)
     lp_c, am_c = score_replies(cfg, params, gp, rep[k])
     lp_s, am_s = score_replies(cfg, params, gp, rep[0])
@@ -377,9 +451,9 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
         g_c = [o.token_ids for o in engines[(gate_w, k)].generate(gp, gsp)]
         g_s = [o.token_ids for o in engines[(gate_w, 0)].generate(gp, gsp)]
 
-    mem_c, how = peak_device_mib(engines[(gate_w, k)])
-    mem_s, _ = peak_device_mib(engines[(gate_w, 0)])
+    mem_c, mem_s = peak[k] / 2 ** 20, peak[0] / 2 ** 20
     ratios, lengths, acc, acc_pos, thr, split, util = {}, {}, {}, {}, {}, {}, {}
+    page_use = {}
     for w in plans:
         st, ca = results[w]["stock"], results[w]["candidate"]
         passes = [c["tok_s"] / s["tok_s"] for s, c in zip(st, ca)]
@@ -395,6 +469,10 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
             split[w][name]["prefill_ms_per_request"] = float(np.median(
                 [r["timing"]["prefill_s"] / len(plans[w][1]) * 1e3 for r in rs]))
         util[w] = ca[0]["page_util"]
+        waiting = lambda rs: (None if any(r["page_use_waiting"] is None for r in rs)
+                              else float(np.median([r["page_use_waiting"] for r in rs])))
+        page_use[w] = {"stock": waiting(st), "candidate": waiting(ca),
+                       "pages": pool[w] if pool[w] is not None else engines[(w, 0)].num_pages}
 
     measured = {
         "memory": {"candidate_mib": mem_c, "stock_mib": mem_s},
@@ -407,6 +485,7 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
         "sampled_agreement": gate.sampled_agreement(rep[k], rep[0]),
         "lengths": lengths,
         "ratios": ratios,
+        "page_use": page_use,
     }
     verdict = gate.evaluate(measured, jc.limits)
     split_at = plans[gate_w][0]
@@ -420,7 +499,9 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
         "argmax": measured["argmax"],
         "fidelity": fid,
         "lengths": lengths,
-        "memory": {**verdict["memory"], "how": how},
+        "memory": {**verdict["memory"], "how": MEMORY_HOW, "workload": gate_w,
+                   "process_peak_mib": process_peak_mib()},
+        "page_use": {w: {**v, **verdict["page_use"].get(w, {})} for w, v in page_use.items()},
         "acceptance": acc,
         "acceptance_by_position": acc_pos,
         "limits": dataclasses.asdict(jc.limits),

@@ -23,6 +23,7 @@ class Limits:
     fidelity_ceiling: float = 0.02
     length_margin: float = 0.05
     memory_slack_mib: float = 4096.0
+    busy_page_use_floor: float = 0.9
 
 
 def geomean(xs: Sequence[float]) -> float:
@@ -87,9 +88,20 @@ def evaluate(m: dict, limits: Limits) -> dict:
 
     m holds: memory {candidate_mib, stock_mib}, fidelity (float), likelihood {gap, se, ...},
     argmax {gap, se, ...}, greedy_agreement, sampled_agreement, lengths {wl: {ratio,low,high}},
-    ratios {wl: {passes, ratio}}.
+    ratios {wl: {passes, ratio}}, and optionally page_use {wl: {stock, candidate}} (page use
+    while requests wait; None if they never did).
+
+    `busy_page_use` (when the busy workload ran) is a validity check of the workload, listed
+    first: the busy numbers mean nothing unless both engines kept the pool >= the floor full.
     """
-    checks = {}
+    checks, page_verdict = {}, {}
+    busy = (m.get("page_use") or {}).get("busy")
+    if busy is not None:
+        use = [busy.get("stock"), busy.get("candidate")]
+        least = None if any(u is None for u in use) else min(use)
+        ok = least is not None and least >= limits.busy_page_use_floor
+        checks["busy_page_use"] = ok
+        page_verdict["busy"] = {"least": least, "floor": limits.busy_page_use_floor, "ok": ok}
     allowed = m["memory"]["stock_mib"] + limits.memory_slack_mib
     checks["memory"] = m["memory"]["candidate_mib"] <= allowed
     checks["fidelity"] = m["fidelity"] <= limits.fidelity_ceiling
@@ -100,13 +112,15 @@ def evaluate(m: dict, limits: Limits) -> dict:
         checks["greedy_agreement"] = m["greedy_agreement"] >= limits.greedy_agreement_floor
     lo, hi = 1 - limits.length_margin, 1 + limits.length_margin
     checks["lengths"] = all(v["high"] >= lo and v["low"] <= hi for v in m["lengths"].values())
-    order = ["memory", "fidelity", "likelihood", "argmax", "greedy_agreement", "lengths"]
+    order = ["busy_page_use", "memory", "fidelity", "likelihood", "argmax", "greedy_agreement",
+             "lengths"]
     reason = next((c for c in order if c in checks and not checks[c]), None)
     specscore = geomean([v["ratio"] for v in m["ratios"].values()])
     return {
         "checks": checks,
         "memory": {"ok": checks["memory"], "peak_mib": m["memory"]["candidate_mib"],
                    "stock_peak_mib": m["memory"]["stock_mib"], "allowed_mib": allowed},
+        "page_use": page_verdict,
         "reason": reason,
         "specscore": specscore,
         "score": specscore if reason is None else 0.0,

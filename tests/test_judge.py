@@ -10,13 +10,21 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import mtpjax
 from experiments import judge, judge_gate as gate
 from judge_fixtures import write_judge_checkpoint
 from mtpjax import sampling
 
+# Two busy lanes sharing a 3-page pool: page granularity and preemption hold the steady-state
+# page use near 0.7 here (the default workload, 16 lanes, measures 0.92-0.93), so the busy
+# validity floor of this tiny configuration is lower than the default 0.9.
+SMALL_LIMITS = gate.Limits(busy_page_use_floor=0.5)
 SMALL = dict(passes=1, solo_requests=2, team_lanes=2, team_requests=4, busy_lanes=2, prompt_tokens=16,
              busy_requests=6, max_new_tokens=12, gate_prompts=8, fidelity_tokens=8,
-             progress=False)
+             progress=False, limits=SMALL_LIMITS)
+# The smallest judge run (one workload): for checks that need an engine run, not the ratios.
+TINY = dict(SMALL, workloads=("solo",), solo_requests=1, gate_prompts=2, max_new_tokens=6,
+            fidelity_tokens=2)
 
 
 def test_interval_rule():
@@ -63,6 +71,21 @@ def test_gate_reason_names_the_first_failed_check(over, reason):
     assert v["specscore"] == pytest.approx(np.sqrt(1.2 * 1.1))
 
 
+def test_busy_page_use_below_the_floor_invalidates_the_run():
+    """The busy workload must keep >= 90% of the pages in use (both engines) while requests
+    wait; below that its ratio means nothing and the gate names busy_page_use first."""
+    ok = {"busy": {"stock": 0.93, "candidate": 0.91}}
+    assert gate.evaluate(_measured(page_use=ok), gate.Limits())["reason"] is None
+    low = {"busy": {"stock": 0.93, "candidate": 0.85}}
+    v = gate.evaluate(_measured(page_use=low, fidelity=0.5), gate.Limits())
+    assert v["reason"] == "busy_page_use" and v["score"] == 0.0
+    assert v["page_use"]["busy"] == {"least": 0.85, "floor": 0.9, "ok": False}
+    never = {"busy": {"stock": None, "candidate": 0.95}}   # no request ever waited
+    assert gate.evaluate(_measured(page_use=never), gate.Limits())["reason"] == "busy_page_use"
+    # no busy workload: nothing to check
+    assert "busy_page_use" not in gate.evaluate(_measured(page_use={}), gate.Limits())["checks"]
+
+
 def test_greedy_floor_is_optional():
     m = _measured(greedy_agreement=0.5)
     assert gate.evaluate(m, gate.Limits())["reason"] is None
@@ -90,6 +113,13 @@ def test_judge_end_to_end_card(peaky_ckpt, tmp_path):
         assert 1.0 <= card["acceptance"][w] <= 2.0
     assert (tmp_path / "card.md").exists() and (tmp_path / "throughput.png").exists()
     assert (tmp_path / "acceptance.png").exists()
+    busy = on_disk["page_use"]["busy"]
+    assert on_disk["checks"]["busy_page_use"] is True and busy["ok"] is True
+    assert busy["least"] == min(busy["stock"], busy["candidate"]) >= 0.5
+    assert on_disk["limits"]["busy_page_use_floor"] == 0.5
+    md = (tmp_path / "card.md").read_text()
+    assert "| busy_page_use (workload validity) |" in md
+    assert on_disk["memory"]["workload"] == "team" and "own phase" in on_disk["memory"]["how"]
 
 
 def _always_accept(real_verify):
@@ -114,3 +144,97 @@ def test_judge_fails_a_candidate_whose_sampler_always_accepts(peaky_ckpt, tmp_pa
     assert card["reason"] == "likelihood", (card["reason"], card["likelihood"], card["argmax"])
     assert card["score"] == 0.0
     assert card["sampled_agreement"] < 0.9 and card["greedy_agreement"] < 1.0
+
+
+# ------------------------------------------------------------------------------- memory
+
+class _FakeGpu:
+    """The real device, but reporting a process-wide peak as a GPU does: the same number
+    whichever engine asks (what the memory check used to compare)."""
+
+    def __init__(self, dev):
+        self._dev = dev
+
+    def __getattr__(self, name):
+        return getattr(self._dev, name)
+
+    def memory_stats(self):
+        return {"peak_bytes_in_use": 1 << 30, "bytes_in_use": 1 << 29}
+
+
+def _run_tiny(ckpt, tmp_path, **over):
+    jc = judge.JudgeConfig(checkpoint=ckpt, out_dir=str(tmp_path), **{**TINY, **over})
+    return judge.run_judge(jc)
+
+
+def test_memory_check_fails_a_candidate_with_a_much_bigger_pool_on_a_gpu(peaky_ckpt, tmp_path,
+                                                                       monkeypatch):
+    """The candidate holds ~32 MiB more KV pool than stock: its own peak must show it, even on
+    a device whose memory_stats() reports one process-wide peak."""
+    real_devices, real_make = jax.devices, judge.make_engine
+    monkeypatch.setattr(jax, "devices", lambda *a: [_FakeGpu(d) for d in real_devices(*a)])
+
+    def make_engine(cfg, params, jc, k, lanes, num_pages, max_seq_len):
+        return real_make(cfg, params, jc, k, lanes, 4096 if k else num_pages, max_seq_len)
+
+    monkeypatch.setattr(judge, "make_engine", make_engine)
+    card = _run_tiny(peaky_ckpt, tmp_path, limits=gate.Limits(memory_slack_mib=8.0))
+    m = card["memory"]
+    assert card["checks"]["memory"] is False and card["reason"] == "memory", m
+    assert m["peak_mib"] > m["stock_peak_mib"] + 24, m
+    assert m["process_peak_mib"] == 1024.0     # reported beside, not compared
+
+
+def test_memory_check_counts_what_the_candidates_run_allocates(peaky_ckpt, tmp_path,
+                                                               monkeypatch):
+    """A candidate whose run holds a 32 MiB scratch buffer (not in its params or caches) fails;
+    the bytes of the engine's own buffers could not see it."""
+    class Hoarder(mtpjax.Engine):
+        def generate(self, *a, **kw):
+            scratch = jnp.zeros((8 << 20,), jnp.float32)
+            try:
+                return super().generate(*a, **kw)
+            finally:
+                del scratch
+
+    def make_engine(cfg, params, jc, k, lanes, num_pages, max_seq_len):
+        cls = Hoarder if k else mtpjax.Engine
+        return cls(cfg, params, num_speculative_tokens=k, max_lanes=lanes,
+                   max_seq_len=max_seq_len, kernels=jc.kernels, page_size=jc.page_size,
+                   num_pages=num_pages)
+
+    monkeypatch.setattr(judge, "make_engine", make_engine)
+    card = _run_tiny(peaky_ckpt, tmp_path, limits=gate.Limits(memory_slack_mib=8.0))
+    m = card["memory"]
+    assert card["reason"] == "memory", m
+    assert 31 < m["peak_mib"] - m["stock_peak_mib"] < 40, m
+
+
+# ------------------------------------------------------------------------------- fidelity
+
+def _no_causal_mask_in_the_block(real):
+    """A verify-path bug: every query row of a multi-token block sees the whole block (as if
+    it were its last token). One-token decode steps are unaffected."""
+    def attend(q, k_pages, v_pages, page_tables, kv_lens, q_lens, *, sm_scale, **kw):
+        rows = [real(q[:, t:t + 1], k_pages, v_pages, page_tables, kv_lens,
+                     (q_lens > t).astype(jnp.int32), sm_scale=sm_scale)
+                for t in range(q.shape[1])]
+        return jnp.concatenate(rows, axis=1)
+    return attend
+
+
+def test_fidelity_goes_through_the_engines_paged_verify_path(peaky_ckpt, monkeypatch):
+    import pallas_kernels
+    cfg, params = mtpjax.load_checkpoint(peaky_ckpt, "float32")
+    jc = judge.JudgeConfig(checkpoint=peaky_ckpt, **SMALL)
+    texts = judge.load_texts(judge._tokenizer(peaky_ckpt), jc)
+    assert judge.fidelity(cfg, params, texts, jc, "reference") < 1e-3
+    monkeypatch.setattr(pallas_kernels, "paged_attention_reference",
+                        _no_causal_mask_in_the_block(pallas_kernels.paged_attention_reference))
+    jax.clear_caches()   # the programs must be traced again with the broken attention
+    try:
+        broken = judge.fidelity(cfg, params, texts, jc, "reference")
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert broken > jc.limits.fidelity_ceiling, broken
