@@ -28,19 +28,19 @@ def runs(tmp_path_factory):
         "gpu_check": ["gpu_check", "--smoke", f"--out={tmp / 'gpu_check.json'}"],
     }
     procs = {name: subprocess.Popen([sys.executable, "-m", "experiments", *args], cwd=ROOT,
-                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                    env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                     text=True)
              for name, args in cmds.items()}
     out = {}
     for name, p in procs.items():
         try:
-            text, _ = p.communicate(timeout=TIMEOUT_S)
+            text, err = p.communicate(timeout=TIMEOUT_S)
         except subprocess.TimeoutExpired:
             for q in procs.values():
                 q.kill()
             pytest.fail(f"{name} took over {TIMEOUT_S} s")
-        assert p.returncode == 0, f"{name} exited {p.returncode}:\n{text[-4000:]}"
-        last = text.strip().splitlines()[-1]
+        assert p.returncode == 0, f"{name} exited {p.returncode}:\n{(text + err)[-4000:]}"
+        last = text.strip().splitlines()[-1]   # the last *stdout* line is the JSON document
         with open(tmp / f"{name}.json") as f:
             out[name] = (json.loads(last), json.load(f), text)
     return out
