@@ -72,8 +72,8 @@ def hf_state_dict(cfg: Config, params: Params, dtype: str = "bfloat16",
                 raise ValueError(f"tensor '{spec.name}': params leaf {'.'.join(spec.path)} is None")
             host_leaves[spec.path] = np.asarray(leaf)
         x = host_leaves[spec.path]
-        if spec.index is not None:
-            x = x[spec.index]
+        if spec.rows is not None:
+            x = x[spec.rows[0]:spec.rows[1]]
         if tuple(x.shape) != spec.shape:
             raise ValueError(f"tensor '{spec.name}': params shape {tuple(x.shape)} but the config "
                              f"implies {spec.shape}")

@@ -269,7 +269,7 @@ def lm_head_weight(params: Params):
 
 def target_weight_bytes(params: Params) -> int:
     """Weights one target step reads: every text weight except the embedding table (spec §9)."""
-    return nbytes((params.full, params.linear, params.final_norm, lm_head_weight(params)))
+    return nbytes((params.layers, params.final_norm, lm_head_weight(params)))
 
 
 def mtp_weight_bytes(params: Params) -> int:
@@ -293,7 +293,7 @@ def step_bytes(cfg: Config, params: Params, cache: model.Cache, program: str, ba
     else:
         w = target_weight_bytes(params) + emb_rows
         per_tok = kv_bytes_per_token(cfg, cfg.num_full_layers, dt)
-        state = 2 * nbytes(cache.linear)         # read + write of every lane's GDN cache
+        state = 2 * nbytes(cache.gdn)            # read + write of every lane's GDN cache
     kv = batch * per_tok * (context + T) + batch * per_tok * T
     return {"weights": w, "kv": kv, "gdn_state": state, "total": w + kv + state}
 

@@ -112,11 +112,15 @@ def _validate_tokens(prefix, q, k, v, g, beta, b=None, h=None):
     raise ValueError(f"{prefix}heads {q.shape[2]} do not match the state heads {h}")
 
 
-def _validate_state(state, q, v):
+def _validate_state(state, q, v, *, slots=False):
+  """state [B, H, DK, DV]; with slots=True, [S >= B, H, DK, DV] (lanes 0..B-1 are used)."""
   b, _, h, dk = q.shape
   dv = v.shape[-1]
-  if state.shape != (b, h, dk, dv):
-    raise ValueError(f"state must be [B, H, DK, DV]={(b, h, dk, dv)}, got {state.shape}")
+  ok = (state.ndim == 4 and state.shape[1:] == (h, dk, dv)
+        and (state.shape[0] >= b if slots else state.shape[0] == b))
+  if not ok:
+    want = f"[S >= {b}, {h}, {dk}, {dv}]" if slots else str((b, h, dk, dv))
+    raise ValueError(f"state must be [B, H, DK, DV]={want}, got {state.shape}")
   if state.dtype != jnp.float32:
     raise ValueError(f"state must be float32, got {state.dtype}")
 
@@ -355,8 +359,10 @@ def gated_delta_verify(
   """Speculative verify (or decode, T = 1) step with pending-token replay.
 
   Args:
-    state: f32[B, H, DK, DV] committed state from before the previous block.
-      Aliased to ``new_state``: donate it to update it in place.
+    state: f32[S, H, DK, DV], S >= B: committed state of S lane slots, from before
+      the previous block; lane b of the call is slot b, slots >= B are neither
+      read nor written (an engine step over a lane bucket passes its whole
+      cache). Aliased to ``new_state``: donate it to update it in place.
     pend_k: [B, P, H, DK], pend_v: [B, P, H, DV], pend_g, pend_beta:
       f32[B, P, H] -- the previous block's inputs (P >= 1).
     n_pend: i32[B] in [0, P]: how many pending tokens to commit (accepted
@@ -368,12 +374,12 @@ def gated_delta_verify(
     tuning: ``GatedDeltaTuning``; ``None`` looks up ``tuned_block_sizes``.
 
   Returns:
-    (o [B, T, H, DV] in v.dtype, new_state f32[B, H, DK, DV]) where
+    (o [B, T, H, DV] in v.dtype, new_state f32[S, H, DK, DV]) where
     new_state is the state after the n_pend committed pending tokens
-    (*not* after the new tokens).
+    (*not* after the new tokens); slots >= B keep their input values.
   """
   _validate_tokens("", q, k, v, g, beta)
-  _validate_state(state, q, v)
+  _validate_state(state, q, v, slots=True)
   b, t, h, dk = q.shape
   dv = v.shape[-1]
   _validate_tokens("pending ", pend_k, pend_k, pend_v, pend_g, pend_beta, b=b, h=h)
@@ -417,7 +423,7 @@ def gated_delta_verify(
       out_specs=[tok_spec(t, bv, True), state_spec],
       out_shape=[
           jax.ShapeDtypeStruct((b, t, h, dv), v.dtype),
-          jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32),
+          jax.ShapeDtypeStruct(state.shape, jnp.float32),
       ],
       input_output_aliases={1: 1},
       compiler_params=pltr.CompilerParams(num_warps=tuning.num_warps,
@@ -529,7 +535,9 @@ def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pen
   """
   del interpret, tuning
   _validate_tokens("", q, k, v, g, beta)
-  _validate_state(state, q, v)
+  _validate_state(state, q, v, slots=True)
+  slots, b = state, q.shape[0]
+  state = state[:b]
   pk, pv, pg, pb = _f32(pend_k, pend_v, pend_g, pend_beta)
 
   def replay(s, x):
@@ -543,4 +551,4 @@ def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pen
       jnp.moveaxis(x, 1, 0) for x in (pk, pv, pg, pb))
   s_c, _ = lax.scan(replay, state.astype(jnp.float32), xs)
   o, _ = recurrent_gated_delta_reference(q, k, v, g, beta, s_c)
-  return o, s_c
+  return o, slots.at[:b].set(s_c)
