@@ -1,7 +1,7 @@
 """Write `mtpjax.params.Params` as a Hugging Face Qwen3.5 safetensors checkpoint.
 
 The inverse of `checkpoints.hf_loader`: every tensor named by `hf_tensor_map(cfg)` is taken from
-its (stacked) leaf and stored under its HF name, so `load_checkpoint` on the result gives back
+its leaf (a row range of a fused leaf) and stored under its HF name, so `load_checkpoint` on the result gives back
 the same params (exactly, when stored as float32).
 
 Two layouts, matching what the loader accepts:

@@ -421,7 +421,8 @@ def gdn_block(cfg: Config, p: GdnParams, x, c: GdnCache, n_pend, seg: Segment, m
         # else works on the call's slots.
         whole = isinstance(seg.lane0, int) and seg.lane0 == 0
         o, S = gdn_math.step(c.state if whole else cv.state, cv.pend_k, cv.pend_v, cv.pend_g,
-                             cv.pend_beta, n_pend, q, k, v, g, beta, kernels)
+                             cv.pend_beta, n_pend, q, k, v, g, beta, kernels,
+                             live=seg.n_valid > 0)
         padT = [(0, 0), (0, P - T)]
         new = GdnCache(
             conv=jnp.pad(xs, padT + [(0, 0)]),
