@@ -36,9 +36,10 @@ Byte convention (per execution, then times the trip counts of every enclosing wh
 Kinds: each movement is classified by the entry parameters its data comes from, traced
 through pass-through ops (bitcast, copy, slices, tuples, while-loop carries, conditionals,
 calls, fusions, custom-call output/operand aliasing): "weight" beats "cache" beats "other".
-Values made by compute (or fills) have no source parameter; then the buffer's shape is matched
-against the parameters' shapes (whole or one row of a stacked leading axis) and the kind is
-marked "(shape)". Unknown trip counts are inferred from the loop condition (compare of the
+Values made by compute (or fills) have no source parameter; then the buffer's size is matched
+against the non-weight parameters' (whole, or one row of a stacked leading axis) and the kind
+is marked "(shape)": a scan's zero-filled output buffer for the cache shows as "cache (shape)";
+a weight is only ever a weight by provenance. Unknown trip counts are inferred from the loop condition (compare of the
 induction variable against a constant) and otherwise taken as 1 and flagged.
 
 What it cannot see: traffic inside kernels (a Triton kernel reading a KV page twice, a GEMM
@@ -673,14 +674,16 @@ def _top_level_cost(ins: Instr, by_name) -> tuple[int, int, str, str] | None:
 
 def _shape_match(shape: tuple[Array, ...], params: Mapping[int, Instr],
                  param_kinds: Mapping[int, str]) -> tuple[str, str] | None:
-    """(kind, parameter name) for a buffer without a traced source: a parameter of the same
-    dtype whose whole size, or one row of its leading axis, equals the buffer's (a scan's
-    output buffer [16, 3, ...] matches a [48, ...] parameter). "weight" beats "cache"."""
+    """(kind, parameter name) for a buffer without a traced source: a non-weight parameter of
+    the same dtype whose whole size, or one row of its leading axis, equals the buffer's (a
+    scan's output buffer [16, 3, ...] matches a [48, ...] cache). Weights are read-only inputs,
+    so a buffer is a weight only by provenance, never by shape (a zero-fill shaped like a
+    weight is not a weight copy)."""
     found = []
     for a in shape:
         for num, p in params.items():
             kind = param_kinds.get(num)
-            if kind in (None, "other") or not p.shape or p.shape[0].dtype != a.dtype:
+            if kind in (None, "other", "weight") or not p.shape or p.shape[0].dtype != a.dtype:
                 continue
             pa = p.shape[0]
             row = pa.nbytes // pa.dims[0] if pa.dims and pa.dims[0] else pa.nbytes
