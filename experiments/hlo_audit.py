@@ -37,7 +37,7 @@ Kinds: each movement is classified by the entry parameters its data comes from, 
 through pass-through ops (bitcast, copy, slices, tuples, while-loop carries, conditionals,
 calls, fusions, custom-call output/operand aliasing): "weight" beats "cache" beats "other".
 Values made by compute (or fills) have no source parameter; then the buffer's size is matched
-against the non-weight parameters' (whole, or one row of a stacked leading axis) and the kind
+against the non-weight parameters' (whole, or one index along one or two axes) and the kind
 is marked "(shape)": a scan's zero-filled output buffer for the cache shows as "cache (shape)";
 a weight is only ever a weight by provenance. Unknown trip counts are inferred from the loop condition (compare of the
 induction variable against a constant) and otherwise taken as 1 and flagged.
@@ -672,11 +672,23 @@ def _top_level_cost(ins: Instr, by_name) -> tuple[int, int, str, str] | None:
     return None
 
 
+def _slice_sizes(a: Array) -> set[int]:
+    """Byte sizes of `a` and of one index along any one or two of its axes (one layer, one
+    lane, one layer of one lane): the buffers a scan or a lane slice makes of a cache."""
+    sizes = {a.nbytes}
+    dims = [d for d in a.dims if d > 1]
+    for i, di in enumerate(dims):
+        sizes.add(a.nbytes // di)
+        for dj in dims[i + 1:]:
+            sizes.add(a.nbytes // (di * dj))
+    return sizes
+
+
 def _shape_match(shape: tuple[Array, ...], params: Mapping[int, Instr],
                  param_kinds: Mapping[int, str]) -> tuple[str, str] | None:
     """(kind, parameter name) for a buffer without a traced source: a non-weight parameter of
-    the same dtype whose whole size, or one row of its leading axis, equals the buffer's (a
-    scan's output buffer [16, 3, ...] matches a [48, ...] cache). Weights are read-only inputs,
+    the same dtype whose whole size, or the size of one index along one or two of its axes,
+    equals the buffer's (a scan's output buffer [16, 3, 1, ...] matches a [48, 8, ...] cache). Weights are read-only inputs,
     so a buffer is a weight only by provenance, never by shape (a zero-fill shaped like a
     weight is not a weight copy)."""
     found = []
@@ -686,8 +698,7 @@ def _shape_match(shape: tuple[Array, ...], params: Mapping[int, Instr],
             if kind in (None, "other", "weight") or not p.shape or p.shape[0].dtype != a.dtype:
                 continue
             pa = p.shape[0]
-            row = pa.nbytes // pa.dims[0] if pa.dims and pa.dims[0] else pa.nbytes
-            if a.nbytes in (pa.nbytes, row):
+            if a.nbytes in _slice_sizes(pa):
                 found.append((KIND_ORDER.index(kind), num, kind, param_label(p)))
     if not found:
         return None
