@@ -148,11 +148,6 @@ class Instr:
         m = re.search(r'op_name="([^"]*)"', self.attrs)
         return m.group(1) if m else ""
 
-    @property
-    def backend_config(self) -> str:
-        m = re.search(r"backend_config=(\{.*\})(?:, [a-z_]+=|$)", self.attrs)
-        return m.group(1) if m else ""
-
 
 @dataclasses.dataclass(frozen=True)
 class Computation:
@@ -572,34 +567,33 @@ def _only_moves(module: Module, cname: str, seen=None) -> bool:
     return True
 
 
-def _data_leaves(comp: Computation, name: str, by_name, acc: list, seen: set):
-    """Instructions where the data of `name` starts (parameters, constants, iotas)."""
-    if name in seen:
+def _data_leaves(by_name: Mapping[str, Instr], name: str, acc: list, seen: set):
+    """Instructions where the data of `name` starts: parameters, constants, iotas, or whatever
+    is not a pass-through op (index math, a nested fusion). Index operands of slices and
+    updates are not followed: they say where, not what."""
+    if name in seen or name not in by_name:
         return
     seen.add(name)
-    ins = by_name.get(name)
-    if ins is None:
-        return
-    if ins.opcode in ("parameter", "constant", "iota"):
+    ins = by_name[name]
+    if ins.opcode == "tuple":
+        follow = list(ins.operands)
+    elif ins.opcode == "get-tuple-element":
+        follow = list(ins.operands[:1])
+    elif ins.opcode in PASS_THROUGH:
+        idx = PASS_THROUGH[ins.opcode]
+        follow = list(ins.operands) if idx is None else [ins.operands[i] for i in idx
+                                                         if i < len(ins.operands)]
+    else:
         acc.append(ins)
         return
-    idx = PASS_THROUGH.get(ins.opcode)
-    if ins.opcode in ("tuple", "get-tuple-element"):
-        idx = None if ins.opcode == "tuple" else (0,)
-    operands = ins.operands if idx is None else [ins.operands[i] for i in idx
-                                                 if i < len(ins.operands)]
-    if ins.opcode not in PASS_THROUGH and ins.opcode not in ("tuple", "get-tuple-element"):
-        acc.append(ins)   # index math or a nested fusion: treat as a source of its own size
-        return
-    for o in operands:
-        _data_leaves(comp, o, by_name, acc, seen)
+    for o in follow:
+        _data_leaves(by_name, o, acc, seen)
 
 
 def _read_bytes(comp: Computation, value: str, written: int) -> int:
     """Bytes read to produce `value` inside a fused computation, capped at `written`."""
-    by_name = comp.by_name()
     leaves: list[Instr] = []
-    _data_leaves(comp, value, by_name, leaves, set())
+    _data_leaves(comp.by_name(), value, leaves, set())
     src = sum(l.nbytes for l in leaves if l.opcode not in ("constant", "iota"))
     return min(written, src)
 
