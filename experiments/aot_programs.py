@@ -28,7 +28,7 @@ from experiments import hlo_audit
 from mtpjax import model, sampling, steps
 from mtpjax.config import Config
 from mtpjax.kv_pool import pages_for
-from mtpjax.params import abstract_params
+from mtpjax.params import abstract_params, hf_tensor_map, leaf_dtype
 
 TARGET_CONFIG = os.path.join(os.path.dirname(__file__), "data", "h200_target_config.txtpb")
 WEIGHT, CACHE, OTHER = "weight", "cache", "other"
@@ -44,6 +44,8 @@ class Reads:
         one for a prefill's first token); lanes x context: KV tokens read (target layers per
         target pass, the MTP layer per MTP pass); gdn_lanes: lanes whose GDN state
         (recurrent state, conv window, pending buffers) is read and written once.
+    kv_token_bytes (K and V of one token in one layer) and gdn_lane_bytes (one lane's GDN
+    slot, all layers) price them; they depend on the cache layout, so build_programs sets them.
     """
     target_passes: int
     mtp_passes: int
@@ -51,6 +53,8 @@ class Reads:
     lanes: int
     context: int
     gdn_lanes: int
+    kv_token_bytes: int
+    gdn_lane_bytes: int
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,7 +63,7 @@ class Program:
 
     args: positional arguments; static ones (cfg) as values, dynamic ones as pytrees of
     jax.ShapeDtypeStruct (no sharding yet). arg_kinds: per positional argument, "weight",
-    "cache", "other", or None for a static one.
+    "cache", "other", or None for a static one. reads: what its floor counts.
     """
     name: str
     fn: Callable
@@ -67,6 +71,7 @@ class Program:
     kwargs: dict
     arg_kinds: tuple
     reads: Reads
+    dtype: str          # the weights' dtype (prices the floor's weight bytes)
 
 
 def _sds(shape, dtype):
@@ -97,6 +102,9 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
     table = _sds((B, pages_per_lane), i32)
     kw = dict(kernels=kernels)
     mtp = 1 if K > 0 else 0
+    price = dict(kv_token_bytes=2 * cfg.num_key_value_heads * cfg.head_dim
+                 * jnp.dtype(cache.full.k.dtype).itemsize,
+                 gdn_lane_bytes=_nbytes(cache.linear) // B)
     progs = []
     for k in sorted({0, K}):
         chain = (K - 1) if k > 0 else 0
@@ -104,7 +112,7 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
             f"decode_k{k}", steps.decode_step,
             (cfg, params, cache, state, lane_sampling, active, table), dict(k=k, **kw),
             (None, WEIGHT, CACHE, OTHER, OTHER, OTHER, OTHER),
-            Reads(1, mtp * (1 + chain), mtp * (1 + chain), B, max_seq_len, B)))
+            Reads(1, mtp * (1 + chain), mtp * (1 + chain), B, max_seq_len, B, **price), dtype))
     T = prefill_chunk
     scalar = lambda dt: _sds((), dt)
     progs.append(Program(
@@ -114,7 +122,7 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
          _sds((1, pages_per_lane), i32)),
         dict(k=K, **kw),
         (None, WEIGHT, CACHE, OTHER, OTHER, OTHER, OTHER, OTHER, OTHER, OTHER, OTHER, OTHER),
-        Reads(1, mtp * K, 1 + mtp * K, 1, max_seq_len, 1)))
+        Reads(1, mtp * K, 1 + mtp * K, 1, max_seq_len, 1, **price), dtype))
     if K > 0:
         progs.append(Program(
             "draft", _draft_chain,
@@ -122,7 +130,7 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
              _sds((B,), i32), active, table),
             dict(k=2, **kw),
             (None, WEIGHT, CACHE, OTHER, OTHER, OTHER, OTHER, OTHER),
-            Reads(0, 1, 1, B, max_seq_len, 0)))
+            Reads(0, 1, 1, B, max_seq_len, 0, **price), dtype))
     return progs
 
 
@@ -141,32 +149,42 @@ def _nbytes(tree) -> int:
                    for x in jax.tree.leaves(tree)))
 
 
-def floor_terms(prog: Program) -> dict[str, float]:
-    """Bytes a program must move at least (the `Reads` priced with its own argument shapes).
+def weight_bytes(cfg: Config, dtype: str) -> dict[str, int]:
+    """Checkpoint tensor bytes by role, from the HF tensor map (independent of how Params
+    lays them out): target (every text weight but the embedding table; lm_head included, the
+    embedding when tied), mtp (the MTP head), lm_head."""
+    out = {"target": 0, "mtp": 0, "lm_head": 0}
+    for spec in hf_tensor_map(cfg):
+        n = int(np.prod(spec.shape)) * leaf_dtype(spec.path, dtype).itemsize
+        if spec.name.startswith("mtp."):
+            out["mtp"] += n
+        elif spec.name == "embed_tokens.weight":
+            if cfg.tie_word_embeddings:
+                out["target"] += n
+                out["lm_head"] += n
+        else:
+            out["target"] += n
+            if spec.name == "lm_head.weight":
+                out["lm_head"] += n
+    return out
 
-    weights: target weights (all but the embedding table and the MTP head; lm_head included)
-    per target pass + MTP head weights per MTP pass; kv_read: lanes x context tokens of the
-    target layers' K and V per target pass and of the MTP layer's per MTP pass; gdn_state_rw:
-    one read and one write of each counted lane's GDN slot; lm_head_extra: lm_head bytes per
-    extra read.
+
+def floor_terms(prog: Program) -> dict[str, float]:
+    """Bytes a program must move at least: its `Reads`, priced.
+
+    weights: target weights per target pass + MTP head weights per MTP pass; kv_read: lanes x
+    context tokens of the target layers' K and V per target pass and of the MTP layer's per MTP
+    pass; gdn_state_rw: one read and one write of each counted lane's GDN slot; lm_head_extra:
+    lm_head bytes per extra read.
     """
-    cfg, params, cache = prog.args[0], prog.args[1], prog.args[2]
-    r = prog.reads
-    head = params.embed if params.lm_head is None else params.lm_head
-    target = _nbytes(params) - _nbytes(params.embed) - _nbytes(params.mtp)
-    if params.lm_head is None:
-        target += _nbytes(params.embed)
-    mtp_w = _nbytes(params.mtp)
-    kv_item = jnp.dtype(cache.full.k.dtype).itemsize
-    per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * kv_item      # K and V, one layer
-    lanes_total = cache.n_pend.shape[0]
-    gdn_lane = _nbytes(cache.linear) / lanes_total
+    cfg, r = prog.args[0], prog.reads
+    w = weight_bytes(cfg, prog.dtype)
     return {
-        "weights": float(r.target_passes * target + r.mtp_passes * mtp_w),
-        "kv_read": float(r.lanes * r.context * per_token
+        "weights": float(r.target_passes * w["target"] + r.mtp_passes * w["mtp"]),
+        "kv_read": float(r.lanes * r.context * r.kv_token_bytes
                          * (r.target_passes * cfg.num_full_layers + r.mtp_passes)),
-        "gdn_state_rw": float(2 * r.gdn_lanes * gdn_lane),
-        "lm_head_extra": float(r.lm_head_extra * _nbytes(head)),
+        "gdn_state_rw": float(2 * r.gdn_lanes * r.gdn_lane_bytes),
+        "lm_head_extra": float(r.lm_head_extra * w["lm_head"]),
     }
 
 
