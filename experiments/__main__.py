@@ -1,4 +1,4 @@
-"""`python -m experiments [judge|generate|bench|convert|train_tiny|gpu_check|speed] [--flags]`.
+"""`python -m experiments [judge|generate|bench|convert|train_tiny|gpu_check|aot|speed] [--flags]`.
 
 Each sub-command is a module of this package that defines its absl flags at import time and a
 `main(argv)`; only the chosen module is imported, so flag names never collide.
@@ -9,7 +9,7 @@ import sys
 
 from absl import app
 
-COMMANDS = ("judge", "generate", "bench", "convert", "train_tiny", "gpu_check", "speed")
+COMMANDS = ("judge", "generate", "bench", "convert", "train_tiny", "gpu_check", "aot", "speed")
 DEFAULT = "judge"
 
 

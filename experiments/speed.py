@@ -74,7 +74,6 @@ def hf_row(path: str, prompt, *, n_new: int, repeats: int):
         from transformers import Qwen3_5ForCausalLM
     except ImportError:
         return None
-    torch.set_num_threads(os.cpu_count() or 1)
     m = Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     ids = torch.tensor([prompt], dtype=torch.long)
 
@@ -84,9 +83,17 @@ def hf_row(path: str, prompt, *, n_new: int, repeats: int):
                              eos_token_id=None, pad_token_id=0)
         return [int(t) for t in out[0, len(prompt):]]
 
-    tokens, sec = _time(run, repeats)
+    # torch's thread pool collapses when the cores are shared (seen here: 50 tokens/s on one
+    # thread, 5 on two under load): give the peer its best of 1 and all cores.
+    best = None
+    for threads in sorted({1, os.cpu_count() or 1}):
+        torch.set_num_threads(threads)
+        tokens, sec = _time(run, repeats)
+        if best is None or sec < best[1]:
+            best = (tokens, sec, threads)
+    tokens, sec, threads = best
     return {"row": "transformers generate", "tokens": tokens, "seconds": sec,
-            "tokens_per_s": len(tokens) / sec}
+            "tokens_per_s": len(tokens) / sec, "torch_threads": threads}
 
 
 def main(argv):
