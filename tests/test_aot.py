@@ -257,3 +257,7 @@ def test_27b_decode_step_moves_no_weight_and_under_2_percent(name):
            f"), top offenders {top}")
     assert r["weight_copy_bytes"] == 0, msg
     assert moved <= 0.02 * weights, msg
+    assert r["roofline"]["estimate_bytes"] <= 1.10 * r["roofline"]["floor_bytes"], msg
+    # the KV pool and the GDN state are updated in place: every donated buffer is aliased
+    don = r["donation"]
+    assert don["donated"] > 300 and don["not_aliased"] == [], don
