@@ -6,7 +6,8 @@ Accepts what Qwen ships (Qwen3.5-27B: `Qwen3_5ForConditionalGeneration`, sharded
 `model.safetensors`, as `Qwen3_5ForCausalLM.save_pretrained` writes).
 
 Tensors are read one at a time from memory-mapped files, cast on the host, moved to the device
-and written into their (stacked) leaf in place, so peak host memory stays near the largest
+and written into their leaf in place (projections that share an input are fused by rows into
+one leaf, see params.py), so peak host memory stays near the largest
 tensor (2.5 GB for 27B's embedding), not the 55 GB model. Each tensor's stored dtype is
 respected (real checkpoints mix F32 and BF16) before the cast to the requested dtype; A_log stays
 float32 (see params.FLOAT32_LEAVES).
@@ -24,7 +25,8 @@ import numpy as np
 from safetensors import safe_open
 
 from mtpjax.config import Config
-from mtpjax.params import Params, TensorSpec, abstract_params, hf_tensor_map, leaf_dtype, get_path, replace_path
+from mtpjax.params import (Params, TensorSpec, abstract_params, hf_tensor_map, leaf_dtype,
+                           leaf_shapes, replace_path)
 
 TEXT_PREFIXES = ("model.language_model.", "model.")
 IGNORED_PREFIXES = ("model.visual.", "visual.")
@@ -105,17 +107,17 @@ def plan(cfg: Config, files: dict[str, str]) -> list[tuple[TensorSpec, str, str]
 
 
 @partial(jax.jit, donate_argnames=("buf",))
-def _set_row(buf, x, i):
-    return buf.at[i].set(x)
+def _set_rows(buf, x, start):
+    return jax.lax.dynamic_update_slice_in_dim(buf, x, start, axis=0)
 
 
 def load_params(cfg: Config, path: str, dtype="float32") -> Params:
     """Read every tensor of the checkpoint at `path` into a Params tree of `dtype`."""
     files = safetensors_files(path)
     entries = plan(cfg, files)
-    abstract = abstract_params(cfg, dtype)
-    # Stacked leaves get a device buffer filled row by row; others are set directly.
-    leaves: dict[tuple[str, ...], jax.Array] = {}
+    shapes = leaf_shapes(cfg)
+    # Fused leaves get a device buffer filled by row ranges; others are set directly.
+    leaves: dict[tuple, jax.Array] = {}
     handles: dict[str, object] = {}
     try:
         for spec, name, fpath in entries:
@@ -132,17 +134,16 @@ def load_params(cfg: Config, path: str, dtype="float32") -> Params:
                 raise CheckpointError(f"tensor '{name}': stored dtype {host.dtype} is not a float")
             x = jnp.asarray(host.astype(want, copy=False))
             del host
-            if spec.index is None:
+            if spec.rows is None:
                 leaves[spec.path] = x
             else:
                 if spec.path not in leaves:
-                    shape = get_path(abstract, spec.path).shape
-                    leaves[spec.path] = jnp.zeros(shape, want)
-                leaves[spec.path] = _set_row(leaves[spec.path], x, spec.index)
+                    leaves[spec.path] = jnp.zeros(shapes[spec.path], want)
+                leaves[spec.path] = _set_rows(leaves[spec.path], x, spec.rows[0])
     finally:
         for h in handles.values():
             h.__exit__(None, None, None)
-    params = abstract
+    params = abstract_params(cfg, dtype)
     for path_, value in leaves.items():
         params = replace_path(params, path_, value)
     if cfg.tie_word_embeddings:

@@ -1,7 +1,7 @@
 """Write `mtpjax.params.Params` as a Hugging Face Qwen3.5 safetensors checkpoint.
 
 The inverse of `checkpoints.hf_loader`: every tensor named by `hf_tensor_map(cfg)` is taken from
-its (stacked) leaf and stored under its HF name, so `load_checkpoint` on the result gives back
+its leaf (a row range of a fused leaf) and stored under its HF name, so `load_checkpoint` on the result gives back
 the same params (exactly, when stored as float32).
 
 Two layouts, matching what the loader accepts:
@@ -72,8 +72,8 @@ def hf_state_dict(cfg: Config, params: Params, dtype: str = "bfloat16",
                 raise ValueError(f"tensor '{spec.name}': params leaf {'.'.join(spec.path)} is None")
             host_leaves[spec.path] = np.asarray(leaf)
         x = host_leaves[spec.path]
-        if spec.index is not None:
-            x = x[spec.index]
+        if spec.rows is not None:
+            x = x[spec.rows[0]:spec.rows[1]]
         if tuple(x.shape) != spec.shape:
             raise ValueError(f"tensor '{spec.name}': params shape {tuple(x.shape)} but the config "
                              f"implies {spec.shape}")

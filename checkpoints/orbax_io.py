@@ -18,6 +18,9 @@ from mtpjax.config import Config
 from mtpjax.params import Params, abstract_params
 
 MARKER = "mtpjax_converted.json"
+# The Params layout a converted folder holds (params.py: per-layer leaves, fused projections).
+# Folders written for an older layout are refused with a message instead of a restore error.
+LAYOUT = "per-layer-fused/2"
 SIDECARS = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
 
 
@@ -41,13 +44,17 @@ def save_converted(path: str, cfg: Config, params: Params, dtype: str, source: s
     ckpt.save(target, params)
     ckpt.wait_until_finished()
     with open(os.path.join(path, MARKER), "w") as f:
-        json.dump({"dtype": dtype, "source": source}, f)
+        json.dump({"dtype": dtype, "source": source, "layout": LAYOUT}, f)
 
 
 def restore_converted(path: str) -> tuple[Config, Params, str]:
     path = os.path.abspath(path)
     with open(os.path.join(path, MARKER)) as f:
-        dtype = json.load(f)["dtype"]
+        marker = json.load(f)
+    dtype = marker["dtype"]
+    if marker.get("layout") != LAYOUT:
+        raise ValueError(f"{path} was converted for params layout {marker.get('layout')!r}, this "
+                         f"version reads {LAYOUT!r}: convert the HF checkpoint again")
     cfg = Config.from_pretrained(path)
     abstract = abstract_params(cfg, dtype)
     ckpt = ocp.StandardCheckpointer()

@@ -1,4 +1,4 @@
-"""`python -m experiments [judge|generate|bench|convert|train_tiny|gpu_check] [--flags]`.
+"""`python -m experiments [judge|generate|bench|convert|train_tiny|gpu_check|aot|speed] [--flags]`.
 
 Each sub-command is a module of this package that defines its absl flags at import time and a
 `main(argv)`; only the chosen module is imported, so flag names never collide.
@@ -8,7 +8,8 @@ compiled program (however small: the thresholds are off, so CPU programs are cac
 written to `--compilation_cache_dir` (default `$MTPJAX_COMPILATION_CACHE_DIR`, else
 `~/.cache/mtpjax/jax_cache`), and a later run with the same programs, jax version and device
 loads them instead of compiling. `--nocompilation_cache` (or `--compilation_cache=false`)
-turns it off: nothing is read or written. At exit one line on stderr counts the hits and the
+turns it off: nothing is read or written. `aot` reports compile times, so there the cache is
+off unless `--compilation_cache` is given. At exit one line on stderr counts the hits and the
 new entries.
 """
 
@@ -18,8 +19,9 @@ import sys
 
 from absl import app, flags
 
-COMMANDS = ("judge", "generate", "bench", "convert", "train_tiny", "gpu_check")
+COMMANDS = ("judge", "generate", "bench", "convert", "train_tiny", "gpu_check", "aot", "speed")
 DEFAULT = "judge"
+CACHE_OFF_BY_DEFAULT = ("aot",)   # it measures compile time
 CACHE_ENV = "MTPJAX_COMPILATION_CACHE_DIR"
 DEFAULT_CACHE_DIR = os.path.join("~", ".cache", "mtpjax", "jax_cache")
 
@@ -74,8 +76,10 @@ def main_entry():
     module = importlib.import_module(f"experiments.{cmd}")
 
     def main(argv):
-        counts = configure_compilation_cache(FLAGS.compilation_cache,
-                                             cache_dir(FLAGS.compilation_cache_dir))
+        enabled = FLAGS.compilation_cache
+        if cmd in CACHE_OFF_BY_DEFAULT and not FLAGS["compilation_cache"].present:
+            enabled = False
+        counts = configure_compilation_cache(enabled, cache_dir(FLAGS.compilation_cache_dir))
         try:
             return module.main(argv)
         finally:

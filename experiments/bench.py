@@ -167,8 +167,8 @@ def _fill_rows(buf, key, start, *, kind, rows):
 
 
 def _device_leaf(key, shape, dtype, kind):
-    """One leaf drawn on device in its own dtype, in slabs of axis 0 (a 27B stacked MLP leaf
-    is 4.3e9 elements: drawing it at once would need several times its size in temporaries)."""
+    """One leaf drawn on device in its own dtype, in slabs of axis 0 (a 27B leaf
+    of 10^8-10^9 elements: drawing it at once would need several times its size in temporaries)."""
     row = int(np.prod(shape[1:])) if len(shape) > 1 else 1
     rows = max(1, _CHUNK_ELEMS // row)
     if len(shape) < 2 or rows >= shape[0]:
@@ -183,8 +183,8 @@ def _device_leaf(key, shape, dtype, kind):
 def synthetic_params(cfg: Config, dtype: str, seed: int = 0) -> Params:
     """Random weights (uniform, with `init_params`' per-leaf scales), cheap to make at any size.
 
-    `init_params` draws float32 normals eagerly and casts them: at 27B that is a 17 GB float32
-    temporary for the stacked MLP leaf, and on a CPU every one of its ~50 random ops compiles
+    `init_params` draws float32 normals eagerly and casts them: at 27B that is a float32
+    temporary twice the size of each leaf, and on a CPU every one of its ~50 random ops compiles
     separately (tens of seconds for the tiny config). Here models under 1 GB are drawn with
     numpy on the host; bigger ones leaf by leaf on the device, in their final dtype.
     """
@@ -269,7 +269,7 @@ def lm_head_weight(params: Params):
 
 def target_weight_bytes(params: Params) -> int:
     """Weights one target step reads: every text weight except the embedding table (spec §9)."""
-    return nbytes((params.full, params.linear, params.final_norm, lm_head_weight(params)))
+    return nbytes((params.layers, params.final_norm, lm_head_weight(params)))
 
 
 def mtp_weight_bytes(params: Params) -> int:
@@ -293,7 +293,7 @@ def step_bytes(cfg: Config, params: Params, cache: model.Cache, program: str, ba
     else:
         w = target_weight_bytes(params) + emb_rows
         per_tok = kv_bytes_per_token(cfg, cfg.num_full_layers, dt)
-        state = 2 * nbytes(cache.linear)         # read + write of every lane's GDN cache
+        state = 2 * nbytes(cache.gdn)            # read + write of every lane's GDN cache
     kv = batch * per_tok * (context + T) + batch * per_tok * T
     return {"weights": w, "kv": kv, "gdn_state": state, "total": w + kv + state}
 

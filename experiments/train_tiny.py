@@ -229,7 +229,7 @@ def init_train_params(cfg, seed: int):
         name = names[-1]
         if name == "norm" and "gdn" in names:
             return jnp.ones_like(x)                      # plain-weight gated norm
-        if x.ndim - (1 if names[0] in ("full", "linear") else 0) == 1 and name not in (
+        if x.ndim == 1 and name not in (
                 "A_log", "dt_bias"):
             return jnp.zeros_like(x)                     # 1+w norms
         if name == "dt_bias":
@@ -290,12 +290,8 @@ def make_optimizer(steps: int):
         init_value=0.0, peak_value=FLAGS.lr, warmup_steps=warm, decay_steps=max(steps, warm + 1),
         end_value=FLAGS.lr * FLAGS.min_lr_ratio)
 
-    def mask(params):  # decay matrices only (a stacked norm [n, H] is not one)
-        def m(path, x):
-            names = [getattr(k, "name", "") for k in path]
-            stacked = names[0] in ("full", "linear")
-            return (x.ndim - int(stacked)) >= 2
-        return jax.tree_util.tree_map_with_path(m, params)
+    def mask(params):  # decay matrices only, not norms or biases
+        return jax.tree.map(lambda x: x.ndim >= 2, params)
     return optax.chain(
         optax.clip_by_global_norm(FLAGS.clip),
         optax.adamw(sched, b1=0.9, b2=0.95, eps=1e-8, weight_decay=FLAGS.weight_decay, mask=mask),

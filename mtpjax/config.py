@@ -104,7 +104,7 @@ class Config:
 
     @property
     def layer_period(self) -> int:
-        """Smallest p such that layer_types is layer_types[:p] repeated; the layer scan body."""
+        """Smallest p such that layer_types is layer_types[:p] repeated (the layer pattern)."""
         n = self.num_layers
         for p in range(1, n + 1):
             if n % p == 0 and self.layer_types == self.layer_types[:p] * (n // p):

@@ -15,12 +15,15 @@ Host loop (one iteration):
   4. read back the emitted tokens; the scheduler applies stop conditions, streams them to
      on_token and frees finished lanes' pages
 
-Device state: `model.Cache` with a `PagedKV` pool ([n_layers, NKV, num_pages, page_size, HD],
-target full-attention layers and the MTP layer) plus per-lane GDN slots, and `steps.LaneState`.
+Device state: `model.Cache` with a `PagedKV` pool per full-attention layer and for the MTP layer
+([NKV, num_pages, page_size, HD] each) plus per-lane GDN slots per GDN layer, and
+`steps.LaneState`.
 The page table (kv_pool.PageAllocator.table) is sent with every program call.
 
 Compiled programs: one prefill program per chunk bucket (default 8, 16, ... prefill_chunk) and one
-decode program per speculation depth used (K and 0); `stats()["compiled_programs"]`.
+decode program per (speculation depth used (K and 0), lane bucket 1, 2, 4, ... max_lanes): a
+step runs only the lane slots up to the highest busy lane, rounded up to a bucket, so idle lanes
+cost nothing; `stats()["compiled_programs"]`.
 """
 
 from __future__ import annotations
@@ -119,7 +122,7 @@ class Engine:
                                             self.dtype)
         self.state = steps.LaneState.empty(max_lanes, k)
         self.timing = {"prefill_s": 0.0, "step_s": 0.0, "host_s": 0.0, "steps": 0,
-                       "plain_steps": 0, "prefill_chunks": 0}
+                       "plain_steps": 0, "prefill_chunks": 0, "lane_moves": 0}
         self.preemptions = 0
         self._programs: set = set()
         self._sched: Scheduler | None = None
@@ -207,25 +210,37 @@ class Engine:
         return LaneSampling.from_params(
             [ln.req.params if ln is not None else SamplingParams() for ln in sched.lanes])
 
+    def lane_bucket(self, busy_lanes) -> int:
+        """Lane slots a decode step runs: the smallest bucket (1, 2, 4, ..., max_lanes) that
+        covers the highest busy lane. The scheduler fills the lowest free lane first."""
+        top = max(busy_lanes) + 1
+        return min(1 << (top - 1).bit_length(), self.max_lanes)
+
     def _run(self, sched: Scheduler, plan: Plan) -> None:
-        lanes = self._lane_sampling(sched) if (plan.prefill or plan.decode) else None
+        for src, dst in plan.moves:
+            self.cache, self.state = steps.move_lane(self.cache, self.state, jnp.int32(src),
+                                                     jnp.int32(dst))
+            self.timing["lane_moves"] += 1
         if plan.prefill is not None:
             t0 = time.perf_counter()
-            first = self._prefill(plan.prefill, lanes)
+            first = self._prefill(plan.prefill, self._lane_sampling(sched))
             t1 = time.perf_counter()
             sched.prefill_done(plan.prefill, first)
             self.timing["prefill_s"] += t1 - t0
             self.timing["host_s"] += time.perf_counter() - t1
         if plan.decode:
-            active = np.zeros(self.max_lanes, bool)
+            nb = self.lane_bucket(plan.decode)
+            active = np.zeros(nb, bool)
             active[list(plan.decode)] = True
+            lanes = LaneSampling.from_params(
+                [ln.req.params if ln is not None else SamplingParams() for ln in sched.lanes[:nb]])
             t0 = time.perf_counter()
             self.cache, self.state, out, n_acc = steps.decode_step(
                 self.cfg, self.params, self.cache, self.state, lanes, jnp.asarray(active),
-                jnp.asarray(self.alloc.table), k=plan.k, kernels=self.kernels)
+                jnp.asarray(self.alloc.table[:nb]), k=plan.k, kernels=self.kernels)
             out, n_acc = np.asarray(out), np.asarray(n_acc)
             t1 = time.perf_counter()
-            self._programs.add(("decode", plan.k))
+            self._programs.add(("decode", plan.k, nb))
             for b in plan.decode:
                 sched.decode_done(b, [int(t) for t in out[b]], int(n_acc[b]), plan.k)
             self.timing["step_s"] += t1 - t0

@@ -59,8 +59,13 @@ def prefill(q, k, v, g, beta, state, kernels: str = "reference"):
 
 
 def step(state, pend_k, pend_v, pend_g, pend_beta, n_pend, q, k, v, g, beta,
-         kernels: str = "reference"):
-    """Replay the n_pend accepted pending tokens, run the new block; (o, committed state)."""
+         kernels: str = "reference", live=None):
+    """Replay the n_pend accepted pending tokens, run the new block; (o, committed state).
+
+    state may hold more lane slots than the block's B lanes (the first B are used); live
+    bool[B] marks the lanes that run (the kernel neither reads nor writes an idle lane's state).
+    """
     fn = pk.gated_delta_verify_reference if kernels == "reference" else pk.gated_delta_verify
     extra = {} if kernels == "reference" else {"interpret": kernels == "interpret"}
-    return fn(state, pend_k, pend_v, pend_g, pend_beta, n_pend, q, k, v, g, beta, **extra)
+    return fn(state, pend_k, pend_v, pend_g, pend_beta, n_pend, q, k, v, g, beta, live=live,
+              **extra)

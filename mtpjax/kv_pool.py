@@ -162,6 +162,14 @@ class PageAllocator:
         self._owned[lane] = 0
         return n
 
+    def move(self, src: int, dst: int) -> None:
+        """Hand lane src's pages (and table row) to the empty lane dst (lane compaction)."""
+        if self._owned[dst] or src == dst:
+            raise ValueError(f"cannot move lane {src} onto lane {dst}: it holds "
+                             f"{self._owned[dst]} pages")
+        self._table[dst], self._owned[dst] = self._table[src], self._owned[src]
+        self._table[src], self._owned[src] = self.num_pages, 0
+
     def free_page_ids(self) -> np.ndarray:
         return np.array(sorted(self._free), np.int32)
 

@@ -3,21 +3,29 @@
 Data flow of one call (`forward`):
 
   tokens [B, T] --embed--> h [B, T, H]
-    --scan over repeats of the layer pattern (e.g. 16 x [GDN, GDN, GDN, full])-->
+    --Python loop over the decoder layers (params.layers / cache.layers, model order)-->
        each layer: h += mixer(rmsnorm_1p(h)); h += mlp(rmsnorm_1p(h))
-       full-attention mixer: writes its K/V into the cache entry, attends causally
-       GDN mixer: conv window + recurrent state from the cache entry (chunked or step mode)
+       full-attention mixer: writes its K/V into its cache entry, attends causally
+       GDN mixer: conv window + recurrent state from its cache entry (chunked or step mode)
     --final rmsnorm_1p--> post-norm hidden [B, T, H]   (what lm_head and the MTP consume)
+
+Why a Python loop and not a `lax.scan` over stacked layers: every layer's weights and cache are
+their own arrays, so each GEMM reads its weight buffer as is and each cache update is done in
+place on the donated buffer. Compiled for the H200, the scan form copied every weight and cache
+slice once per step (2-3x the bytes of the weights; `python -m experiments aot` audits it).
+The cost is compile time, which grows with depth (reported by the aot command).
 
 Every call describes its tokens with a `Segment`: lane b holds tokens[b, :n_valid[b]] at
 absolute positions start[b] + t; the rest of the row is padding that touches no state. So one
 compiled program serves a batch of unequal prompts (right padding) and idle lanes (n_valid 0).
+A call's B lanes are the GDN cache slots [lane0, lane0 + B): an engine step runs only the
+first B slots of a larger cache (a lane bucket), a prefill chunk runs one slot.
 
 The cache goes in and comes back out (donate it at the jit boundary). KV storage is swappable,
 chosen by the storage type in `kv_attend`:
-  `ContiguousKV` [n_layers, lanes, max_len, NKV, HD]: no page table; the teacher-forced entry
+  `ContiguousKV` [lanes, max_len, NKV, HD] per layer: no page table; the teacher-forced entry
       points (`api.forward_logits`, `api.mtp_logits`) and the path-equivalence tests use it.
-  `PagedKV` [n_layers, NKV, num_pages, page_size, HD]: the engine's pool. Every layer (and the
+  `PagedKV` [NKV, num_pages, page_size, HD] per layer: the engine's pool. Every layer (and the
       MTP layer) shares one page table per lane, `Segment.page_table` i32[B, pages_per_lane]:
       token position p of lane b lives in page page_table[b, p // page_size], slot
       p % page_size. Written with `pallas_kernels.write_kv`, read with
@@ -28,7 +36,6 @@ chosen by the storage type in `kv_attend`:
 from __future__ import annotations
 
 import dataclasses
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -55,14 +62,14 @@ def _pytree(cls=None, *, static=()):
 
 @_pytree
 class ContiguousKV:
-    """Per-layer K/V in lane-major contiguous storage. Leaves: [n_layers, B, S, NKV, HD]."""
+    """One layer's K/V in lane-major contiguous storage. Leaves: [B, S, NKV, HD]."""
     k: jax.Array
     v: jax.Array
 
 
 @_pytree(static=("page_size",))
 class PagedKV:
-    """Paged K/V pool shared by all lanes. Leaves: [n_layers, NKV, num_pages, page_size, HD].
+    """One layer's paged K/V pool, shared by all lanes. Leaves: [NKV, num_pages, page_size, HD].
 
     Which page holds which lane's tokens is not stored here: the page table travels in the
     `Segment` of each call (the host allocator owns it, see kv_pool.py). Pages no lane owns
@@ -79,12 +86,12 @@ class PagedKV:
 
 @_pytree
 class GdnCache:
-    """Gated DeltaNet state of every linear layer, stacked: leading axis n_linear_layers.
+    """One Gated DeltaNet layer's state, per lane slot (leading axis B = the engine's lanes).
 
-    conv:  [n, B, KC-1+P, CONV_DIM]  raw pre-conv inputs, oldest first; the valid history for
+    conv:  [B, KC-1+P, CONV_DIM]  raw pre-conv inputs, oldest first; the valid history for
            the next block is rows [n_pend, n_pend + KC-1) (see gdn.py: pending replay).
-    state: [n, B, NV, DK, DV] float32, committed state from before the pending block.
-    pend_k [n, B, P, NV, DK], pend_v [n, B, P, NV, DV], pend_g / pend_beta [n, B, P, NV]: the
+    state: [B, NV, DK, DV] float32, committed state from before the pending block.
+    pend_k [B, P, NV, DK], pend_v [B, P, NV, DV], pend_g / pend_beta [B, P, NV]: the
            last block's per-token delta-rule inputs, float32.
     """
     conv: jax.Array
@@ -97,14 +104,31 @@ class GdnCache:
 
 @_pytree
 class Cache:
-    full: ContiguousKV | PagedKV        # stacked over full-attention layers
-    linear: GdnCache                    # stacked over GDN layers
-    mtp: ContiguousKV | PagedKV | None  # the MTP layer's own KV (leading axis 1)
+    layers: tuple               # per decoder layer, model order: ContiguousKV | PagedKV (full
+                                # attention) or GdnCache (Gated DeltaNet)
+    mtp: ContiguousKV | PagedKV | None  # the MTP layer's own KV
     n_pend: jax.Array           # i32[B]: pending tokens to replay at the next step (all layers)
 
     @property
+    def gdn(self) -> tuple:
+        return tuple(c for c in self.layers if isinstance(c, GdnCache))
+
+    @property
+    def kv(self) -> tuple:
+        """The full-attention layers' KV storage, then the MTP layer's (when present)."""
+        out = tuple(c for c in self.layers if not isinstance(c, GdnCache))
+        return out + ((self.mtp,) if self.mtp is not None else ())
+
+    @property
     def num_pending_slots(self) -> int:
-        return self.linear.pend_k.shape[2]
+        return self.gdn[0].pend_k.shape[1]
+
+
+def map_kv(cache: Cache, fn) -> Cache:
+    """Apply fn to every KV storage (full-attention layers and the MTP layer)."""
+    layers = tuple(c if isinstance(c, GdnCache) else fn(c) for c in cache.layers)
+    return dataclasses.replace(cache, layers=layers,
+                               mtp=None if cache.mtp is None else fn(cache.mtp))
 
 
 def init_cache(cfg: Config, batch: int, max_len: int, num_pending: int = 1,
@@ -115,8 +139,8 @@ def init_cache(cfg: Config, batch: int, max_len: int, num_pending: int = 1,
     """
     dt = jnp.dtype(dtype)
 
-    def kv(n):
-        shape = (n, batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
+    def kv():
+        shape = (batch, max_len, cfg.num_key_value_heads, cfg.head_dim)
         return ContiguousKV(jnp.zeros(shape, dt), jnp.zeros(shape, dt))
 
     return _cache(cfg, batch, num_pending, dt, kv)
@@ -124,14 +148,14 @@ def init_cache(cfg: Config, batch: int, max_len: int, num_pending: int = 1,
 
 def init_paged_cache(cfg: Config, lanes: int, num_pages: int, page_size: int,
                      num_pending: int = 1, dtype="float32") -> Cache:
-    """An empty engine cache: a KV pool of `num_pages` pages of `page_size` tokens for the
-    full-attention layers and the MTP layer, and GDN state in `lanes` per-lane slots."""
+    """An empty engine cache: a KV pool of `num_pages` pages of `page_size` tokens per
+    full-attention layer and for the MTP layer, and GDN state in `lanes` per-lane slots."""
     if page_size < 1 or num_pages < 1:
         raise ValueError(f"page_size and num_pages must be >= 1, got {page_size}, {num_pages}")
     dt = jnp.dtype(dtype)
 
-    def kv(n):
-        shape = (n, cfg.num_key_value_heads, num_pages, page_size, cfg.head_dim)
+    def kv():
+        shape = (cfg.num_key_value_heads, num_pages, page_size, cfg.head_dim)
         return PagedKV(jnp.zeros(shape, dt), jnp.zeros(shape, dt), page_size)
 
     return _cache(cfg, lanes, num_pending, dt, kv)
@@ -139,20 +163,21 @@ def init_paged_cache(cfg: Config, lanes: int, num_pages: int, page_size: int,
 
 def _cache(cfg: Config, batch: int, P: int, dt, kv) -> Cache:
     kc = cfg.linear_conv_kernel_dim - 1
-    nl, nf = cfg.num_linear_layers, cfg.num_full_layers
     nv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
     f32 = jnp.float32
+
+    def gdn():
+        return GdnCache(
+            conv=jnp.zeros((batch, kc + P, cfg.conv_dim), dt),
+            state=jnp.zeros((batch, nv, dk, dv), f32),
+            pend_k=jnp.zeros((batch, P, nv, dk), f32),
+            pend_v=jnp.zeros((batch, P, nv, dv), f32),
+            pend_g=jnp.zeros((batch, P, nv), f32),
+            pend_beta=jnp.zeros((batch, P, nv), f32))
+
     return Cache(
-        full=kv(nf),
-        linear=GdnCache(
-            conv=jnp.zeros((nl, batch, kc + P, cfg.conv_dim), dt),
-            state=jnp.zeros((nl, batch, nv, dk, dv), f32),
-            pend_k=jnp.zeros((nl, batch, P, nv, dk), f32),
-            pend_v=jnp.zeros((nl, batch, P, nv, dv), f32),
-            pend_g=jnp.zeros((nl, batch, P, nv), f32),
-            pend_beta=jnp.zeros((nl, batch, P, nv), f32),
-        ),
-        mtp=kv(1) if cfg.has_mtp else None,
+        layers=tuple(kv() if kind == FULL else gdn() for kind in cfg.layer_types),
+        mtp=kv() if cfg.has_mtp else None,
         n_pend=jnp.zeros((batch,), jnp.int32),
     )
 
@@ -164,14 +189,35 @@ class Segment:
     page_table (paged KV only): i32[B, pages_per_lane], the pool pages of each lane in position
     order. Every page that holds a position < start + n_valid must be allocated; unallocated
     entries should hold num_pages (out of range), which makes a stray write a no-op.
+    lane0: the call's lanes are the cache's GDN slots [lane0, lane0 + B): 0 (a Python int: the
+    first B slots, e.g. a lane bucket) or an i32 scalar (one prefill lane).
     """
     start: jax.Array    # i32[B]
     n_valid: jax.Array  # i32[B]
     page_table: jax.Array | None = None
+    lane0: jax.Array | int = 0
 
     @staticmethod
     def full(batch: int, length: int) -> "Segment":
         return Segment(jnp.zeros((batch,), jnp.int32), jnp.full((batch,), length, jnp.int32))
+
+
+def take_slots(tree, lane0, n: int):
+    """Rows [lane0, lane0 + n) of every [B_cache, ...] leaf (a no-op for the whole cache)."""
+    def take(a):
+        if isinstance(lane0, int) and lane0 == 0 and a.shape[0] == n:
+            return a
+        return lax.dynamic_slice_in_dim(a, lane0, n, axis=0)
+    return jax.tree.map(take, tree)
+
+
+def put_slots(tree, lane0, sub):
+    """Write `sub`'s rows back at [lane0, lane0 + n): in place on a donated cache."""
+    def put(a, s):
+        if s.shape == a.shape and isinstance(lane0, int) and lane0 == 0:
+            return s
+        return lax.dynamic_update_slice_in_dim(a, s.astype(a.dtype), lane0, axis=0)
+    return jax.tree.map(put, tree, sub)
 
 
 # --------------------------------------------------------------------------------------------
@@ -204,7 +250,8 @@ def l2norm(x, eps=1e-6):
 
 
 def mlp_block(p: MlpParams, x):
-    return dense(jax.nn.silu(dense(x, p.gate_proj)) * dense(x, p.up_proj), p.down_proj)
+    gate, up = jnp.split(dense(x, p.gate_up), 2, axis=-1)        # one GEMM over [gate | up]
+    return dense(jax.nn.silu(gate) * up, p.down_proj)
 
 
 def rope_cos_sin(cfg: Config, positions, dtype):
@@ -259,6 +306,8 @@ def _paged_attend(kv: PagedKV, q, k, v, seg: Segment, sm_scale: float, kernels: 
 
 def _contiguous_attend(kv: ContiguousKV, q, k, v, seg: Segment, sm_scale: float):
     B, T, NQ, HD = q.shape
+    full = kv
+    kv = take_slots(kv, seg.lane0, B)
     S, NKV = kv.k.shape[1], kv.k.shape[2]
     t = jnp.arange(T)
     pos = seg.start[:, None] + t[None, :]                               # [B, T]
@@ -276,7 +325,7 @@ def _contiguous_attend(kv: ContiguousKV, q, k, v, seg: Segment, sm_scale: float)
     p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
     o = jnp.einsum("bngts,bsnd->btngd", p, v_all.astype(q.dtype),
                    preferred_element_type=jnp.float32).astype(q.dtype)
-    return o.reshape(B, T, NQ, HD), ContiguousKV(k_all, v_all)
+    return o.reshape(B, T, NQ, HD), put_slots(full, seg.lane0, ContiguousKV(k_all, v_all))
 
 
 def attention_block(cfg: Config, p: AttnParams, x, kv, seg: Segment, cos, sin,
@@ -284,10 +333,11 @@ def attention_block(cfg: Config, p: AttnParams, x, kv, seg: Segment, cos, sin,
     """Gated full attention (spec §3.4). x [B, T, H] (already normed)."""
     B, T, _ = x.shape
     nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    qg = dense(x, p.q_proj).reshape(B, T, nq, 2 * hd)
+    qkv = dense(x, p.qkv)                                          # one GEMM over [q | k | v]
+    qg = qkv[..., :2 * nq * hd].reshape(B, T, nq, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:]
-    k = dense(x, p.k_proj).reshape(B, T, nkv, hd)
-    v = dense(x, p.v_proj).reshape(B, T, nkv, hd)
+    k = qkv[..., 2 * nq * hd:(2 * nq + nkv) * hd].reshape(B, T, nkv, hd)
+    v = qkv[..., (2 * nq + nkv) * hd:].reshape(B, T, nkv, hd)
     q = apply_rope(rmsnorm_1p(q, p.q_norm, cfg.rms_norm_eps), cos, sin, cfg.rotary_dim)
     k = apply_rope(rmsnorm_1p(k, p.k_norm, cfg.rms_norm_eps), cos, sin, cfg.rotary_dim)
     o, kv = kv_attend(kv, q, k, v, seg, hd ** -0.5, kernels)
@@ -307,8 +357,10 @@ def _take_rows(x, start, n):
 
 def gdn_block(cfg: Config, p: GdnParams, x, c: GdnCache, n_pend, seg: Segment, mode: str,
               kernels: str = "reference"):
-    """Gated DeltaNet mixer (spec §3.6). x [B, T, H] (already normed); c: one layer's state.
+    """Gated DeltaNet mixer (spec §3.6). x [B, T, H] (already normed).
 
+    c: this layer's state for every lane slot; the call uses slots [seg.lane0, seg.lane0 + B).
+    n_pend: i32[B], the call's lanes' pending tokens.
     mode "chunk" (prefill): chunked delta rule from the committed state, which must have no
       pending tokens (a fresh lane, or the previous prefill chunk); the end state becomes
       committed and nothing is left pending.
@@ -319,18 +371,24 @@ def gdn_block(cfg: Config, p: GdnParams, x, c: GdnCache, n_pend, seg: Segment, m
     kc = cfg.linear_conv_kernel_dim - 1
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
-    kd = cfg.linear_key_dim
+    kd, cd = cfg.linear_key_dim, cfg.conv_dim
     P = c.pend_k.shape[1]
     if mode == "step" and T > P:
         raise ValueError(f"a step of {T} tokens needs at least {T} pending slots, cache has {P}")
+    cv = take_slots(c, seg.lane0, B)                               # the call's lanes
 
-    mixed = dense(x, p.in_proj_qkv)                                # [B, T, CONV]
-    z = dense(x, p.in_proj_z).reshape(B, T, nv, dv)
-    b = dense(x, p.in_proj_b)                                      # [B, T, NV]
-    a = dense(x, p.in_proj_a)
+    proj = dense(x, p.in_proj)                                     # one GEMM over [qkv|z|b|a]
+    mixed = proj[..., :cd]                                         # [B, T, CONV]
+    z = proj[..., cd:cd + nv * dv].reshape(B, T, nv, dv)
+    b = proj[..., cd + nv * dv:cd + nv * dv + nv]                  # [B, T, NV]
+    a = proj[..., cd + nv * dv + nv:]
 
-    hist = _take_rows(c.conv, n_pend, kc)                          # [B, KC-1, CONV]
-    xs = jnp.concatenate([hist, mixed.astype(c.conv.dtype)], axis=1)   # [B, KC-1+T, CONV]
+    hist = _take_rows(cv.conv, n_pend, kc)                         # [B, KC-1, CONV]
+    if mode == "chunk":  # a chunk at position 0 starts a sequence: no history, zero state
+        fresh = seg.start == 0                                     # [B]
+        hist = jnp.where(fresh[:, None, None], 0, hist)
+        cv = dataclasses.replace(cv, state=jnp.where(fresh[:, None, None, None], 0.0, cv.state))
+    xs = jnp.concatenate([hist, mixed.astype(cv.conv.dtype)], axis=1)   # [B, KC-1+T, CONV]
     w = p.conv1d[:, 0, :].astype(x.dtype)                          # [CONV, KC]
     conv = sum(xs[:, j:j + T] * w[:, j] for j in range(kc + 1))
     mixed = jax.nn.silu(conv.astype(jnp.float32)).astype(x.dtype)
@@ -354,22 +412,26 @@ def gdn_block(cfg: Config, p: GdnParams, x, c: GdnCache, n_pend, seg: Segment, m
     g = jnp.where(live[..., None], g, 0.0)
 
     if mode == "chunk":
-        o, S = gdn_math.prefill(q, k, v, g, beta, c.state, kernels)
+        o, S = gdn_math.prefill(q, k, v, g, beta, cv.state, kernels)
         window = _take_rows(xs, seg.n_valid, kc)                   # last KC-1 valid raw inputs
-        conv_new = jnp.concatenate([window, c.conv[:, kc:]], axis=1)
-        c = dataclasses.replace(c, conv=conv_new, state=S)
+        conv_new = jnp.concatenate([window, cv.conv[:, kc:]], axis=1)
+        new = dataclasses.replace(cv, conv=conv_new, state=S)
     else:
-        o, S = gdn_math.step(c.state, c.pend_k, c.pend_v, c.pend_g, c.pend_beta,
-                             n_pend, q, k, v, g, beta, kernels)
+        # The kernel reads and writes the first B slots of the whole state in place; anything
+        # else works on the call's slots.
+        whole = isinstance(seg.lane0, int) and seg.lane0 == 0
+        o, S = gdn_math.step(c.state if whole else cv.state, cv.pend_k, cv.pend_v, cv.pend_g,
+                             cv.pend_beta, n_pend, q, k, v, g, beta, kernels,
+                             live=seg.n_valid > 0)
         padT = [(0, 0), (0, P - T)]
-        c = GdnCache(
+        new = GdnCache(
             conv=jnp.pad(xs, padT + [(0, 0)]),
             state=S,
             pend_k=jnp.pad(k, padT + [(0, 0)] * 2), pend_v=jnp.pad(v, padT + [(0, 0)] * 2),
             pend_g=jnp.pad(g, padT + [(0, 0)]), pend_beta=jnp.pad(beta, padT + [(0, 0)]))
 
     y = gated_rmsnorm(o.astype(x.dtype), z, p.norm, cfg.rms_norm_eps)
-    return dense(y.reshape(B, T, nv * dv), p.out_proj), c
+    return dense(y.reshape(B, T, nv * dv), p.out_proj), put_slots(c, seg.lane0, new)
 
 
 # --------------------------------------------------------------------------------------------
@@ -392,59 +454,30 @@ def linear_layer(cfg, p: LinearLayer, h, c, n_pend, seg, mode, kernels):
     return h, c
 
 
-def _group(tree, groups: int):
-    """[n, ...] leaves -> [groups, n // groups, ...] for the layer scan."""
-    return jax.tree.map(lambda a: a.reshape((groups, a.shape[0] // groups) + a.shape[1:]), tree)
-
-
-def _ungroup(tree):
-    return jax.tree.map(lambda a: a.reshape((-1,) + a.shape[2:]), tree)
-
-
 def forward(cfg: Config, params: Params, cache: Cache, tokens, seg: Segment, mode: str,
             kernels: str = "reference"):
     """Run the target model over tokens [B, T]; returns (post-norm hidden [B, T, H], cache).
 
     mode: "chunk" (prefill chunks) or "step" (decode / verify blocks of at most P tokens).
-    After a "step" call every lane's n_valid tokens are pending (n_pend = n_valid); a
-    speculative engine lowers that to accepted + 1 once it knows.
+    After a call every lane's n_valid tokens are pending ("step": n_pend = n_valid, which a
+    speculative engine lowers to accepted + 1 once it knows) or none are ("chunk").
     """
-    period = cfg.layer_period
-    groups = cfg.num_layers // period
-    pattern = cfg.layer_types[:period]
-    dtype = params.embed.dtype
-
+    B = tokens.shape[0]
     h = params.embed[tokens]                                       # [B, T, H]
     positions = seg.start[:, None] + jnp.arange(tokens.shape[1])[None, :]
-    cos, sin = rope_cos_sin(cfg, positions, dtype)
-    n_pend = cache.n_pend
-
-    def body(h, xs):
-        fp, lp, fkv, lc = xs
-        fkv_out, lc_out = [], []
-        i_f = i_l = 0
-        for kind in pattern:
-            if kind == FULL:
-                p_i = jax.tree.map(lambda a: a[i_f], fp)
-                kv_i = jax.tree.map(lambda a: a[i_f], fkv)
-                h, kv_i = full_layer(cfg, p_i, h, kv_i, seg, cos, sin, kernels)
-                fkv_out.append(kv_i)
-                i_f += 1
-            else:
-                p_i = jax.tree.map(lambda a: a[i_l], lp)
-                c_i = jax.tree.map(lambda a: a[i_l], lc)
-                h, c_i = linear_layer(cfg, p_i, h, c_i, n_pend, seg, mode, kernels)
-                lc_out.append(c_i)
-                i_l += 1
-        stack = lambda xs_: jax.tree.map(lambda *a: jnp.stack(a), *xs_)
-        return h, (stack(fkv_out), stack(lc_out))
-
-    xs = (_group(params.full, groups), _group(params.linear, groups),
-          _group(cache.full, groups), _group(cache.linear, groups))
-    h, (fkv, lc) = lax.scan(body, h, xs)
+    cos, sin = rope_cos_sin(cfg, positions, params.embed.dtype)
+    n_pend = take_slots(cache.n_pend, seg.lane0, B)
+    layers = []
+    for kind, p, c in zip(cfg.layer_types, params.layers, cache.layers):
+        if kind == FULL:
+            h, c = full_layer(cfg, p, h, c, seg, cos, sin, kernels)
+        else:
+            h, c = linear_layer(cfg, p, h, c, n_pend, seg, mode, kernels)
+        layers.append(c)
     h = rmsnorm_1p(h, params.final_norm, cfg.rms_norm_eps)
     n_pend = jnp.zeros_like(seg.n_valid) if mode == "chunk" else seg.n_valid
-    cache = dataclasses.replace(cache, full=_ungroup(fkv), linear=_ungroup(lc), n_pend=n_pend)
+    cache = dataclasses.replace(cache, layers=tuple(layers),
+                                n_pend=put_slots(cache.n_pend, seg.lane0, n_pend))
     return h, cache
 
 
@@ -470,7 +503,5 @@ def mtp_forward(cfg: Config, params: Params, cache: Cache, h_prev, next_tokens, 
     x = dense(jnp.concatenate([e, hh], axis=-1), m.fc)
     positions = seg.start[:, None] + jnp.arange(next_tokens.shape[1])[None, :]
     cos, sin = rope_cos_sin(cfg, positions, x.dtype)
-    kv = jax.tree.map(lambda a: a[0], cache.mtp)
-    x, kv = full_layer(cfg, m.layer, x, kv, seg, cos, sin, kernels)
-    mtp_kv = jax.tree.map(lambda a: a[None], kv)
-    return rmsnorm_1p(x, m.norm, eps), dataclasses.replace(cache, mtp=mtp_kv)
+    x, kv = full_layer(cfg, m.layer, x, cache.mtp, seg, cos, sin, kernels)
+    return rmsnorm_1p(x, m.norm, eps), dataclasses.replace(cache, mtp=kv)

@@ -1,15 +1,26 @@
 """Parameter pytrees for Qwen3.5 + MTP, their abstract shapes, and the HF tensor-name map.
 
-Layers of the same kind are *stacked* along a leading axis (all Gated DeltaNet layers in one
-pytree, all full-attention layers in another) so that the forward pass is a `lax.scan` over
-repeats of the layer pattern: compile time then does not grow with depth (64 layers for 27B).
+Layout: one pytree per decoder layer, in model order (`Params.layers`), and projections that
+read the same input fused into one matrix at load time:
+
+  attention  qkv      = [q_proj (query+gate interleaved per head) | k_proj | v_proj]
+  GDN        in_proj  = [in_proj_qkv | in_proj_z | in_proj_b | in_proj_a]
+  MLP        gate_up  = [gate_proj | up_proj]
+
+Why per-layer arrays and not stacked `[n_layers, ...]` leaves under a `lax.scan`: compiled for
+the GPU, slicing a layer out of a stacked weight inside the step program became a
+device-to-device copy of every weight every step (97 GB per 27B step against a 51 GB weight
+floor, see ../shared/notes/h200_aot.md). A Python loop over per-layer arrays hands each GEMM
+its weight buffer as is. Why fused: XLA's dot merger otherwise concatenates the projections
+that share an input into a fresh matrix per layer per step; a matrix fused once at load time
+is read in place by one GEMM.
 
 Linear weights keep the PyTorch/HF orientation `[out, in]` (y = x @ W.T, done with einsum), so
-loading a checkpoint is a copy, never a transpose of a 2.5 GB matrix on the host.
+loading a checkpoint is a copy into rows of a leaf, never a transpose on the host.
 
 `hf_tensor_map(cfg)` is the single source of truth tying every checkpoint tensor name to a leaf
-of `Params` (and a row of a stacked leaf), with its expected shape. Loading, saving, parameter
-counting and the tests all go through it.
+of `Params` (a path, and a row range for fused leaves), with its expected shape. Loading,
+saving, parameter counting and the tests all go through it.
 """
 
 from __future__ import annotations
@@ -21,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtpjax.config import Config
+from mtpjax.config import FULL, Config
 
 
 def _pytree(cls):
@@ -33,16 +44,14 @@ def _pytree(cls):
 
 @_pytree
 class MlpParams:
-    gate_proj: jax.Array  # [I, H]
-    up_proj: jax.Array    # [I, H]
+    gate_up: jax.Array    # [2I, H]  rows [gate_proj | up_proj]
     down_proj: jax.Array  # [H, I]
 
 
 @_pytree
 class AttnParams:
-    q_proj: jax.Array  # [2*NQ*HD, H]  query and sigmoid gate, interleaved per head (spec §3.4)
-    k_proj: jax.Array  # [NKV*HD, H]
-    v_proj: jax.Array  # [NKV*HD, H]
+    qkv: jax.Array     # [2*NQ*HD + 2*NKV*HD, H]  rows [q_proj | k_proj | v_proj]; q_proj holds
+                       # query and sigmoid gate interleaved per head (spec §3.4)
     o_proj: jax.Array  # [H, NQ*HD]
     q_norm: jax.Array  # [HD]  1+w
     k_norm: jax.Array  # [HD]  1+w
@@ -50,10 +59,7 @@ class AttnParams:
 
 @_pytree
 class GdnParams:
-    in_proj_qkv: jax.Array  # [2*NK*DK + NV*DV, H]  rows [q | k | v]
-    in_proj_z: jax.Array    # [NV*DV, H]
-    in_proj_b: jax.Array    # [NV, H]
-    in_proj_a: jax.Array    # [NV, H]
+    in_proj: jax.Array      # [CONV_DIM + NV*DV + 2*NV, H]  rows [qkv | z | b | a]; qkv rows [q | k | v]
     conv1d: jax.Array       # [CONV_DIM, 1, KC]  tap KC-1 = current token
     A_log: jax.Array        # [NV]   kept float32 whatever the model dtype (spec gotcha 11/15)
     dt_bias: jax.Array      # [NV]
@@ -63,16 +69,16 @@ class GdnParams:
 
 @_pytree
 class FullLayer:
-    """A decoder layer with gated full attention. Stacked: every leaf has a leading [n] axis."""
-    input_layernorm: jax.Array           # [(n,) H]
-    post_attention_layernorm: jax.Array  # [(n,) H]
+    """A decoder layer with gated full attention."""
+    input_layernorm: jax.Array           # [H]
+    post_attention_layernorm: jax.Array  # [H]
     attn: AttnParams
     mlp: MlpParams
 
 
 @_pytree
 class LinearLayer:
-    """A decoder layer with a Gated DeltaNet mixer. Stacked like FullLayer."""
+    """A decoder layer with a Gated DeltaNet mixer."""
     input_layernorm: jax.Array
     post_attention_layernorm: jax.Array
     gdn: GdnParams
@@ -84,7 +90,7 @@ class MtpParams:
     pre_fc_norm_embedding: jax.Array  # [H] 1+w
     pre_fc_norm_hidden: jax.Array     # [H] 1+w
     fc: jax.Array                     # [H, 2H]  columns [embedding half | hidden half]
-    layer: FullLayer                  # one full-attention layer, not stacked
+    layer: FullLayer                  # one full-attention layer
     norm: jax.Array                   # [H] 1+w
 
 
@@ -93,8 +99,7 @@ class Params:
     embed: jax.Array              # [V, H]
     final_norm: jax.Array         # [H] 1+w
     lm_head: jax.Array | None     # [V, H]; None when tied to `embed`
-    full: FullLayer               # stacked over the full-attention layers
-    linear: LinearLayer           # stacked over the Gated DeltaNet layers
+    layers: tuple                 # FullLayer | LinearLayer per decoder layer, model order
     mtp: MtpParams | None
 
 
@@ -105,46 +110,63 @@ FLOAT32_LEAVES = ("A_log",)
 
 class TensorSpec(NamedTuple):
     """One checkpoint tensor: where it goes in `Params` and the shape it must have."""
-    name: str                 # HF name without the text prefix, e.g. "layers.3.self_attn.q_proj.weight"
-    path: tuple[str, ...]     # attribute path into Params, e.g. ("full", "attn", "q_proj")
-    index: int | None         # row of the stacked leaf, or None for unstacked leaves
-    shape: tuple[int, ...]
+    name: str                    # HF name without the text prefix, e.g. "layers.3.self_attn.q_proj.weight"
+    path: tuple                  # path into Params, e.g. ("layers", 3, "attn", "qkv")
+    rows: tuple[int, int] | None  # row range of a fused leaf, None when the tensor is the leaf
+    shape: tuple[int, ...]       # the stored tensor's shape
 
 
-def _mlp_specs(cfg: Config):
+def _fused(prefix: str, path: tuple, parts):
+    """Specs of tensors stacked by rows into one leaf: parts = [(name, rows, in_dim)]."""
+    off = 0
+    for name, n, d in parts:
+        yield TensorSpec(prefix + name, path, (off, off + n), (n, d))
+        off += n
+
+
+def _mlp_specs(cfg: Config, prefix: str, path: tuple):
     h, i = cfg.hidden_size, cfg.intermediate_size
-    yield "mlp.gate_proj.weight", ("mlp", "gate_proj"), (i, h)
-    yield "mlp.up_proj.weight", ("mlp", "up_proj"), (i, h)
-    yield "mlp.down_proj.weight", ("mlp", "down_proj"), (h, i)
+    yield from _fused(prefix, path + ("mlp", "gate_up"),
+                      [("mlp.gate_proj.weight", i, h), ("mlp.up_proj.weight", i, h)])
+    yield TensorSpec(prefix + "mlp.down_proj.weight", path + ("mlp", "down_proj"), None, (h, i))
 
 
-def _full_layer_specs(cfg: Config):
+def _norm_specs(cfg: Config, prefix: str, path: tuple):
+    h = cfg.hidden_size
+    yield TensorSpec(prefix + "input_layernorm.weight", path + ("input_layernorm",), None, (h,))
+    yield TensorSpec(prefix + "post_attention_layernorm.weight",
+                     path + ("post_attention_layernorm",), None, (h,))
+
+
+def _full_layer_specs(cfg: Config, prefix: str, path: tuple):
     h, nq, nkv, hd = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    yield "input_layernorm.weight", ("input_layernorm",), (h,)
-    yield "post_attention_layernorm.weight", ("post_attention_layernorm",), (h,)
-    yield "self_attn.q_proj.weight", ("attn", "q_proj"), (2 * nq * hd, h)
-    yield "self_attn.k_proj.weight", ("attn", "k_proj"), (nkv * hd, h)
-    yield "self_attn.v_proj.weight", ("attn", "v_proj"), (nkv * hd, h)
-    yield "self_attn.o_proj.weight", ("attn", "o_proj"), (h, nq * hd)
-    yield "self_attn.q_norm.weight", ("attn", "q_norm"), (hd,)
-    yield "self_attn.k_norm.weight", ("attn", "k_norm"), (hd,)
-    yield from _mlp_specs(cfg)
+    yield from _norm_specs(cfg, prefix, path)
+    a = path + ("attn",)
+    yield from _fused(prefix, a + ("qkv",), [("self_attn.q_proj.weight", 2 * nq * hd, h),
+                                             ("self_attn.k_proj.weight", nkv * hd, h),
+                                             ("self_attn.v_proj.weight", nkv * hd, h)])
+    yield TensorSpec(prefix + "self_attn.o_proj.weight", a + ("o_proj",), None, (h, nq * hd))
+    yield TensorSpec(prefix + "self_attn.q_norm.weight", a + ("q_norm",), None, (hd,))
+    yield TensorSpec(prefix + "self_attn.k_norm.weight", a + ("k_norm",), None, (hd,))
+    yield from _mlp_specs(cfg, prefix, path)
 
 
-def _linear_layer_specs(cfg: Config):
+def _linear_layer_specs(cfg: Config, prefix: str, path: tuple):
     h, nv, dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    yield "input_layernorm.weight", ("input_layernorm",), (h,)
-    yield "post_attention_layernorm.weight", ("post_attention_layernorm",), (h,)
-    yield "linear_attn.in_proj_qkv.weight", ("gdn", "in_proj_qkv"), (cfg.conv_dim, h)
-    yield "linear_attn.in_proj_z.weight", ("gdn", "in_proj_z"), (nv * dv, h)
-    yield "linear_attn.in_proj_b.weight", ("gdn", "in_proj_b"), (nv, h)
-    yield "linear_attn.in_proj_a.weight", ("gdn", "in_proj_a"), (nv, h)
-    yield "linear_attn.conv1d.weight", ("gdn", "conv1d"), (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim)
-    yield "linear_attn.A_log", ("gdn", "A_log"), (nv,)
-    yield "linear_attn.dt_bias", ("gdn", "dt_bias"), (nv,)
-    yield "linear_attn.norm.weight", ("gdn", "norm"), (dv,)
-    yield from _mlp_specs(cfg)
-    yield "linear_attn.out_proj.weight", ("gdn", "out_proj"), (h, nv * dv)
+    yield from _norm_specs(cfg, prefix, path)
+    g = path + ("gdn",)
+    la = "linear_attn."
+    yield from _fused(prefix, g + ("in_proj",), [(la + "in_proj_qkv.weight", cfg.conv_dim, h),
+                                                 (la + "in_proj_z.weight", nv * dv, h),
+                                                 (la + "in_proj_b.weight", nv, h),
+                                                 (la + "in_proj_a.weight", nv, h)])
+    yield TensorSpec(prefix + la + "conv1d.weight", g + ("conv1d",), None,
+                     (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim))
+    yield TensorSpec(prefix + la + "A_log", g + ("A_log",), None, (nv,))
+    yield TensorSpec(prefix + la + "dt_bias", g + ("dt_bias",), None, (nv,))
+    yield TensorSpec(prefix + la + "norm.weight", g + ("norm",), None, (dv,))
+    yield from _mlp_specs(cfg, prefix, path)
+    yield TensorSpec(prefix + la + "out_proj.weight", g + ("out_proj",), None, (h, nv * dv))
 
 
 def hf_tensor_map(cfg: Config) -> Iterator[TensorSpec]:
@@ -155,23 +177,31 @@ def hf_tensor_map(cfg: Config) -> Iterator[TensorSpec]:
     """
     h, v = cfg.hidden_size, cfg.vocab_size
     yield TensorSpec("embed_tokens.weight", ("embed",), None, (v, h))
-    for layer_id, kind in enumerate(cfg.layer_types):
-        if kind == "full_attention":
-            stack, idx, specs = "full", cfg.full_layer_ids.index(layer_id), _full_layer_specs(cfg)
-        else:
-            stack, idx, specs = "linear", cfg.linear_layer_ids.index(layer_id), _linear_layer_specs(cfg)
-        for name, path, shape in specs:
-            yield TensorSpec(f"layers.{layer_id}.{name}", (stack,) + path, idx, shape)
+    for i, kind in enumerate(cfg.layer_types):
+        specs = _full_layer_specs if kind == FULL else _linear_layer_specs
+        yield from specs(cfg, f"layers.{i}.", ("layers", i))
     yield TensorSpec("norm.weight", ("final_norm",), None, (h,))
     if not cfg.tie_word_embeddings:
         yield TensorSpec("lm_head.weight", ("lm_head",), None, (v, h))
     if cfg.has_mtp:
-        yield TensorSpec("mtp.pre_fc_norm_embedding.weight", ("mtp", "pre_fc_norm_embedding"), None, (h,))
-        yield TensorSpec("mtp.pre_fc_norm_hidden.weight", ("mtp", "pre_fc_norm_hidden"), None, (h,))
-        yield TensorSpec("mtp.fc.weight", ("mtp", "fc"), None, (h, 2 * h))
-        for name, path, shape in _full_layer_specs(cfg):
-            yield TensorSpec(f"mtp.layers.0.{name}", ("mtp", "layer") + path, None, shape)
-        yield TensorSpec("mtp.norm.weight", ("mtp", "norm"), None, (h,))
+        m = ("mtp",)
+        yield TensorSpec("mtp.pre_fc_norm_embedding.weight", m + ("pre_fc_norm_embedding",), None, (h,))
+        yield TensorSpec("mtp.pre_fc_norm_hidden.weight", m + ("pre_fc_norm_hidden",), None, (h,))
+        yield TensorSpec("mtp.fc.weight", m + ("fc",), None, (h, 2 * h))
+        yield from _full_layer_specs(cfg, "mtp.layers.0.", m + ("layer",))
+        yield TensorSpec("mtp.norm.weight", m + ("norm",), None, (h,))
+
+
+def leaf_shapes(cfg: Config) -> dict[tuple, tuple[int, ...]]:
+    """Params leaf path -> leaf shape (fused leaves: the row ranges of their tensors summed)."""
+    out: dict[tuple, tuple[int, ...]] = {}
+    for s in hf_tensor_map(cfg):
+        if s.rows is None:
+            out[s.path] = s.shape
+        else:
+            rows = max(s.rows[1], out.get(s.path, (0,))[0])
+            out[s.path] = (rows,) + s.shape[1:]
+    return out
 
 
 def leaf_dtype(spec_path: tuple[str, ...], dtype) -> jnp.dtype:
@@ -179,33 +209,23 @@ def leaf_dtype(spec_path: tuple[str, ...], dtype) -> jnp.dtype:
 
 
 def _build(cfg: Config, leaf_fn) -> Params:
-    """Assemble a Params tree; leaf_fn(path, stacked_count_or_None, shape, spec) -> leaf."""
-    leaves: dict[tuple[str, ...], object] = {}
-    counts = {"full": cfg.num_full_layers, "linear": cfg.num_linear_layers}
-    for spec in hf_tensor_map(cfg):
-        if spec.path in leaves:
-            continue
-        n = counts[spec.path[0]] if spec.index is not None else None
-        leaves[spec.path] = leaf_fn(spec.path, n, spec.shape)
+    """Assemble a Params tree; leaf_fn(path, shape) -> leaf, for every leaf path."""
+    leaves = {p: leaf_fn(p, s) for p, s in leaf_shapes(cfg).items()}
 
-    def sub(prefix: tuple[str, ...], cls):
+    def sub(prefix: tuple, cls):
         kw = {}
         for f in dataclasses.fields(cls):
             p = prefix + (f.name,)
-            if p in leaves:
-                kw[f.name] = leaves[p]
-            else:
-                kw[f.name] = sub(p, _CHILD_TYPES[(cls, f.name)])
+            kw[f.name] = leaves[p] if p in leaves else sub(p, _CHILD_TYPES[(cls, f.name)])
         return cls(**kw)
 
-    full = sub(("full",), FullLayer) if cfg.num_full_layers else _empty_stack(cfg, FullLayer)
-    linear = sub(("linear",), LinearLayer) if cfg.num_linear_layers else _empty_stack(cfg, LinearLayer)
+    layers = tuple(sub(("layers", i), FullLayer if kind == FULL else LinearLayer)
+                   for i, kind in enumerate(cfg.layer_types))
     return Params(
         embed=leaves[("embed",)],
         final_norm=leaves[("final_norm",)],
         lm_head=leaves.get(("lm_head",)),
-        full=full,
-        linear=linear,
+        layers=layers,
         mtp=sub(("mtp",), MtpParams) if cfg.has_mtp else None,
     )
 
@@ -217,18 +237,9 @@ _CHILD_TYPES = {
 }
 
 
-def _empty_stack(cfg: Config, cls):
-    raise NotImplementedError(
-        f"configs without any {'full-attention' if cls is FullLayer else 'linear-attention'} "
-        "layer are not supported")
-
-
 def abstract_params(cfg: Config, dtype="bfloat16") -> Params:
     """ShapeDtypeStructs for every leaf: drives eval_shape, orbax restore and counting."""
-    def leaf(path, n, shape):
-        full_shape = (n,) + shape if n is not None else shape
-        return jax.ShapeDtypeStruct(full_shape, leaf_dtype(path, dtype))
-    return _build(cfg, leaf)
+    return _build(cfg, lambda path, shape: jax.ShapeDtypeStruct(shape, leaf_dtype(path, dtype)))
 
 
 def init_params(cfg: Config, key: jax.Array, dtype="float32", scale: float = 0.02) -> Params:
@@ -239,24 +250,23 @@ def init_params(cfg: Config, key: jax.Array, dtype="float32", scale: float = 0.0
     """
     counter = [0]
 
-    def leaf(path, n, shape):
+    def leaf(path, shape):
         counter[0] += 1
         k = jax.random.fold_in(key, counter[0])
-        full_shape = (n,) + shape if n is not None else shape
         name = path[-1]
         dt = leaf_dtype(path, dtype)
         if name == "A_log":
-            x = jnp.log(jax.random.uniform(k, full_shape, minval=1.0, maxval=16.0))
+            x = jnp.log(jax.random.uniform(k, shape, minval=1.0, maxval=16.0))
         elif name == "dt_bias":
-            x = jax.random.uniform(k, full_shape, minval=-1.0, maxval=1.0)
+            x = jax.random.uniform(k, shape, minval=-1.0, maxval=1.0)
         elif name == "norm" and path[-2] == "gdn":
-            x = 1.0 + 0.1 * jax.random.normal(k, full_shape)
+            x = 1.0 + 0.1 * jax.random.normal(k, shape)
         elif len(shape) == 1:  # 1+w norms
-            x = 0.1 * jax.random.normal(k, full_shape)
+            x = 0.1 * jax.random.normal(k, shape)
         elif name == "conv1d":
-            x = jax.random.normal(k, full_shape) * (1.0 / np.sqrt(shape[-1]))
+            x = jax.random.normal(k, shape) * (1.0 / np.sqrt(shape[-1]))
         else:
-            x = jax.random.normal(k, full_shape) * scale
+            x = jax.random.normal(k, shape) * scale
         return x.astype(dt)
     return _build(cfg, leaf)
 
@@ -265,14 +275,17 @@ def count_params(tree: Params) -> int:
     return int(sum(np.prod(x.shape) for x in jax.tree.leaves(tree)))
 
 
-def get_path(tree, path: tuple[str, ...]):
+def get_path(tree, path: tuple):
+    """Follow a leaf path: names are attributes, ints index tuples (Params.layers)."""
     for p in path:
-        tree = getattr(tree, p)
+        tree = tree[p] if isinstance(p, int) else getattr(tree, p)
     return tree
 
 
-def replace_path(tree, path: tuple[str, ...], value):
-    if len(path) == 1:
-        return dataclasses.replace(tree, **{path[0]: value})
-    child = getattr(tree, path[0])
-    return dataclasses.replace(tree, **{path[0]: replace_path(child, path[1:], value)})
+def replace_path(tree, path: tuple, value):
+    head, rest = path[0], path[1:]
+    child = get_path(tree, (head,))
+    new = value if not rest else replace_path(child, rest, value)
+    if isinstance(head, int):
+        return tree[:head] + (new,) + tree[head + 1:]
+    return dataclasses.replace(tree, **{head: new})

@@ -238,7 +238,12 @@ def processed_probs(
         use_k = (top_k > 0) & (top_k < vocab)
         k = jnp.where(use_k, top_k, vocab).astype(jnp.int32)
         logit_keys = _ordered_key(logits)
-        kth = _largest_key_reaching(logit_keys, jnp.ones_like(logit_keys, jnp.int32), k)
+        # The bisections read the [B, V] rows 32 times each (about 2 GB per 27B step at 32
+        # rows): run them only when some row filters; kth = 0 / tau = 0 keep every token.
+        kth = lax.cond(jnp.any(use_k),
+                       lambda: _largest_key_reaching(
+                           logit_keys, jnp.ones_like(logit_keys, jnp.int32), k),
+                       lambda: jnp.zeros(k.shape, jnp.uint32))
         keep = logit_keys >= kth[:, None]  # [B, V]
 
         row_max = jnp.max(jnp.where(keep, scaled, -jnp.inf), axis=-1, keepdims=True)
@@ -249,7 +254,9 @@ def processed_probs(
         use_p = top_p < 1.0
         total = jnp.sum(q, axis=-1)
         q_keys = _ordered_key(q)
-        tau = _largest_key_reaching(q_keys, q, top_p.astype(jnp.float32) * total)
+        tau = lax.cond(jnp.any(use_p),
+                       lambda: _largest_key_reaching(q_keys, q, top_p.astype(jnp.float32) * total),
+                       lambda: jnp.zeros(total.shape, jnp.uint32))
         q = jnp.where(use_p[:, None] & (q_keys < tau[:, None]), 0.0, q)
 
         probs = q / jnp.sum(q, axis=-1, keepdims=True)

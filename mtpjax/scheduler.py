@@ -7,6 +7,8 @@ iteration, runs the plan's programs, and reports the tokens back:
   2. admission: queued requests (oldest first) take free lanes while the pool can promise the
      pages of their whole prefill on top of what running lanes still need (their unfinished
      prefill and every decoding lane's next K-step).
+  2b. compaction: the highest busy lanes move into the lowest free ones (Plan.moves), so the
+     busy lanes are always 0..n-1 and a decode step's lane bucket holds no idle lane.
   3. work: at most one prefill chunk (the oldest lane still prefilling) plus one decode step
      over every lane that finished its prefill. A lane in prefill is idle in the decode step.
   4. speculation depth: `policy(K, busy_lanes, pages_ok, step)` picks k = K or 0 for the step
@@ -96,6 +98,7 @@ class Plan:
     decode: tuple[int, ...]   # lanes in the decode step
     k: int                    # drafts verified by the decode step (0 or K)
     preempted: tuple[int, ...] = ()   # request ids preempted while planning
+    moves: tuple[tuple[int, int], ...] = ()   # (src, dst) lane moves to apply first (compaction)
 
 
 class Policy(Protocol):
@@ -238,14 +241,35 @@ class Scheduler:
             if self.lanes[b] is not None:
                 self.alloc.reserve(b, want[b])
 
+        decode = [b for b in decode if self.lanes[b] is not None]
+        pre = pre if pre is not None and self.lanes[pre] is not None else None
+        moves = self._compact()
+        where = {src: dst for src, dst in moves}
+        pre = where.get(pre, pre)
+        decode = sorted(where.get(b, b) for b in decode)
+
         work = None
-        if pre is not None and self.lanes[pre] is not None:
+        if pre is not None:
             ln = self.lanes[pre]
             s, e = ln.prefilled, min(ln.prefilled + self.chunk, len(ln.seq))
             work = PrefillWork(pre, s, ln.seq[s:e], ln.seq[s + 1:e + 1], e == len(ln.seq))
-        decode = tuple(b for b in decode if self.lanes[b] is not None)
         self.step += 1
-        return Plan(work, decode, k if decode else 0, tuple(preempted))
+        return Plan(work, tuple(decode), k if decode else 0, tuple(preempted), moves)
+
+    def _compact(self) -> tuple[tuple[int, int], ...]:
+        """Move the highest busy lanes into the lowest free ones, so that the busy lanes are
+        0..n-1 and a decode step's lane bucket covers no idle lane. The engine moves the
+        lanes' device state (GDN slots, lane state) before running the plan."""
+        moves = []
+        while None in self.lanes:   # a lane moves at most once: it lands below every hole
+            dst = self.lanes.index(None)
+            src = max((b for b, ln in enumerate(self.lanes) if ln is not None), default=-1)
+            if src < dst:
+                break
+            self.lanes[dst], self.lanes[src] = self.lanes[src], None
+            self.alloc.move(src, dst)
+            moves.append((src, dst))
+        return tuple(moves)
 
     # ---------------------------------------------------------------- results
     def prefill_done(self, work: PrefillWork, first_token: int | None) -> None:

@@ -24,6 +24,12 @@ runs (i32[B, pages_per_lane], the same for all layers and the MTP) and the host 
 allocated the pages of every position it writes (kv_pool.tokens_touched_*). GDN state stays in
 per-lane slots of the cache.
 
+Lane buckets. The cache and LaneState hold every lane slot of the engine (max_lanes), but a
+decode step runs only the first B of them, B = the bucket (1, 2, 4, ...) that covers the busy
+lanes: the lanes' arguments (sampling, active, page table) are B long and fix B at trace time,
+one program per bucket. Slots >= B are neither read nor written, so an idle lane costs nothing
+(the GDN kernel takes the whole state and runs B lanes of it in place).
+
 Per-step speculation depth. The cache and LaneState are sized for the engine's K drafts
 (P = K + 1 pending slots, drafts [B, K]); a step may verify k = K or k = 0 of them. With k = 0
 and K > 0 the step still runs the MTP over the accepted pair at P (so the MTP KV stays filled
@@ -63,30 +69,6 @@ class LaneState:
         return LaneState(z(lanes), z(lanes), z(lanes, k))
 
 
-# ---- lane slicing: the per-lane GDN slots move, the shared KV pool does not ----
-
-def lane_take(cache: Cache, lane) -> Cache:
-    """One lane's view of the cache: its GDN slot and n_pend; the (paged) KV pool whole."""
-    if not isinstance(cache.full, model.PagedKV):
-        raise TypeError("engine programs expect a paged KV pool (model.init_paged_cache)")
-    take = lambda a, axis: lax.dynamic_slice_in_dim(a, lane, 1, axis=axis)
-    return dataclasses.replace(cache, linear=jax.tree.map(lambda a: take(a, 1), cache.linear),
-                               n_pend=take(cache.n_pend, 0))
-
-
-def lane_put(cache: Cache, lane, sub: Cache) -> Cache:
-    put = lambda a, s, axis: lax.dynamic_update_slice_in_dim(a, s, lane, axis=axis)
-    return dataclasses.replace(
-        sub, linear=jax.tree.map(lambda a, s: put(a, s, 1), cache.linear, sub.linear),
-        n_pend=put(cache.n_pend, sub.n_pend, 0))
-
-
-def _reset_recurrent(c: Cache) -> Cache:
-    """A fresh sequence: zero GDN state, conv history and pending buffer (KV is masked)."""
-    lin = jax.tree.map(jnp.zeros_like, c.linear)
-    return dataclasses.replace(c, linear=lin, n_pend=jnp.zeros_like(c.n_pend))
-
-
 def _argmax_tokens(params, h):
     return jnp.argmax(model.lm_head(params, h), axis=-1).astype(jnp.int32)
 
@@ -111,6 +93,19 @@ def draft_chain(cfg: Config, params: Params, cache: Cache, h_mtp, d1, pos, live,
     return jnp.stack(drafts, axis=1), cache
 
 
+@partial(jax.jit, donate_argnames=("cache", "state"))
+def move_lane(cache: Cache, state: LaneState, src, dst):
+    """Copy lane slot src's GDN state, pending count and LaneState row to slot dst (i32
+    scalars); the engine's lane compaction. In place on the donated cache: one lane's state
+    is read and written (144 MiB for 27B), the KV pool is untouched (pages move by table)."""
+    def mv(a):
+        return lax.dynamic_update_slice_in_dim(a, lax.dynamic_slice_in_dim(a, src, 1), dst, 0)
+    layers = tuple(jax.tree.map(mv, c) if isinstance(c, model.GdnCache) else c
+                   for c in cache.layers)
+    cache = dataclasses.replace(cache, layers=layers, n_pend=mv(cache.n_pend))
+    return cache, jax.tree.map(mv, state)
+
+
 @partial(jax.jit, static_argnames=("cfg", "k", "kernels"), donate_argnames=("cache", "state"))
 def prefill_chunk(cfg: Config, params: Params, cache: Cache, state: LaneState,
                   lanes: sampling.LaneSampling, lane, tokens, next_tokens, start, n_valid,
@@ -120,13 +115,13 @@ def prefill_chunk(cfg: Config, params: Params, cache: Cache, state: LaneState,
     tokens, next_tokens: i32[1, Tc] (next_tokens[t] = prompt[start + t + 1]; its entry at
     n_valid-1 is replaced by the sampled first token on the last chunk). start, n_valid,
     lane: i32 scalars; is_last: bool scalar; page_table: i32[1, pages_per_lane], this lane's.
+    lanes: the sampling parameters of every lane slot. A chunk at start 0 begins a new
+    sequence: the lane's GDN state and conv history are read as zeros (model.gdn_block).
     Pages must cover positions [0, start + n_valid + (k - 1 on the last chunk)).
     Returns (cache, state, first_token i32[]), first_token meaningful on the last chunk.
     """
-    sub = lane_take(cache, lane)
-    sub = lax.cond(start == 0, _reset_recurrent, lambda c: c, sub)
-    seg = Segment(start[None], n_valid[None], page_table)
-    h, sub = model.forward(cfg, params, sub, tokens, seg, "chunk", kernels)
+    seg = Segment(start[None], n_valid[None], page_table, lane)
+    h, cache = model.forward(cfg, params, cache, tokens, seg, "chunk", kernels)
     last = n_valid - 1
     h_last = lax.dynamic_index_in_dim(h, last, axis=1, keepdims=False)     # [1, H]
     lane_s = jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, lane, 1), lanes)
@@ -135,15 +130,14 @@ def prefill_chunk(cfg: Config, params: Params, cache: Cache, state: LaneState,
     if k > 0:
         nt = jnp.where(is_last & (jnp.arange(tokens.shape[1]) == last)[None], first[:, None],
                        next_tokens)
-        h_mtp, sub = model.mtp_forward(cfg, params, sub, h, nt, seg, kernels)
+        h_mtp, cache = model.mtp_forward(cfg, params, cache, h, nt, seg, kernels)
         hm_last = lax.dynamic_index_in_dim(h_mtp, last, axis=1, keepdims=False)
         d1 = _argmax_tokens(params, hm_last)
-        drafts, sub = draft_chain(cfg, params, sub, hm_last, d1, start[None] + last,
-                                  jnp.ones((1,), bool), page_table, k, kernels)
+        drafts, cache = draft_chain(cfg, params, cache, hm_last, d1, start[None] + last,
+                                    jnp.ones((1,), bool), page_table, k, kernels)
     else:
         drafts = jnp.zeros((1, 0), jnp.int32)
 
-    cache = lane_put(cache, lane, sub)
     new = LaneState(first, (start + n_valid)[None], drafts)
     state = jax.tree.map(
         lambda a, b: jnp.where(is_last, lax.dynamic_update_slice_in_dim(a, b, lane, 0), a),
@@ -154,20 +148,26 @@ def prefill_chunk(cfg: Config, params: Params, cache: Cache, state: LaneState,
 @partial(jax.jit, static_argnames=("cfg", "k", "kernels"), donate_argnames=("cache", "state"))
 def decode_step(cfg: Config, params: Params, cache: Cache, state: LaneState,
                 lanes: sampling.LaneSampling, active, page_table, *, k: int, kernels: str):
-    """One decode (k = 0) or draft-verify-accept-rollback-redraft step for every lane.
+    """One decode (k = 0) or draft-verify-accept-rollback-redraft step for lanes 0..B-1.
 
     k: drafts verified this step, K (= state.drafts.shape[1], what the cache is sized for) or 0.
-    active: bool[B]; idle lanes run as padding (n_valid 0) and keep their state.
-    page_table: i32[B, pages_per_lane]; an active lane at position P needs pages for positions
+    lanes, active bool[B], page_table i32[B, pages_per_lane]: the first B lane slots (the lane
+    bucket; B <= the cache's slots). Idle lanes run as padding (n_valid 0) and keep their state;
+    slots >= B are untouched. An active lane at position P needs pages for positions
     [0, kv_pool.tokens_touched_decode(P, k, K)).
     Returns (cache, state, tokens i32[B, k+1] (-1 past the emitted ones), n_accepted i32[B]).
     """
-    B, K = state.drafts.shape
+    B = active.shape[0]
+    K = state.drafts.shape[1]
     if k not in (0, K):
         raise ValueError(f"a step verifies 0 or all {K} drafts, got k={k}")
     if K + 1 > cache.num_pending_slots:
         raise ValueError(f"{K} drafts need {K + 1} pending slots, cache has "
                          f"{cache.num_pending_slots}")
+    if B > state.pos.shape[0]:
+        raise ValueError(f"a step over {B} lanes needs as many slots, the cache has "
+                         f"{state.pos.shape[0]}")
+    full_state, state = state, model.take_slots(state, 0, B)
     drafts_in = state.drafts[:, :k]
     tokens = jnp.concatenate([state.last_token[:, None], drafts_in], axis=1)     # [B, k+1]
     n_in = jnp.where(active, k + 1, 0).astype(jnp.int32)
@@ -176,7 +176,8 @@ def decode_step(cfg: Config, params: Params, cache: Cache, state: LaneState,
     logits = model.lm_head(params, h)                                            # [B, k+1, V]
     n_acc, out = sampling.verify(logits, drafts_in, lanes, state.pos + 1)
     n_acc = jnp.where(active, n_acc, 0)
-    cache = dataclasses.replace(cache, n_pend=jnp.where(active, n_acc + 1, 0))
+    cache = dataclasses.replace(cache, n_pend=model.put_slots(
+        cache.n_pend, 0, jnp.where(active, n_acc + 1, 0)))
     rows = jnp.arange(B)
     new_last = jnp.where(active, out[rows, n_acc], state.last_token)
     new_pos = jnp.where(active, state.pos + n_acc + 1, state.pos)
@@ -197,4 +198,5 @@ def decode_step(cfg: Config, params: Params, cache: Cache, state: LaneState,
     else:
         drafts = state.drafts
     out = jnp.where(active[:, None], out, -1)
-    return cache, LaneState(new_last, new_pos, drafts), out, n_acc
+    new = LaneState(new_last, new_pos, drafts)
+    return cache, model.put_slots(full_state, 0, new), out, n_acc

@@ -112,11 +112,15 @@ def _validate_tokens(prefix, q, k, v, g, beta, b=None, h=None):
     raise ValueError(f"{prefix}heads {q.shape[2]} do not match the state heads {h}")
 
 
-def _validate_state(state, q, v):
+def _validate_state(state, q, v, *, slots=False):
+  """state [B, H, DK, DV]; with slots=True, [S >= B, H, DK, DV] (lanes 0..B-1 are used)."""
   b, _, h, dk = q.shape
   dv = v.shape[-1]
-  if state.shape != (b, h, dk, dv):
-    raise ValueError(f"state must be [B, H, DK, DV]={(b, h, dk, dv)}, got {state.shape}")
+  ok = (state.ndim == 4 and state.shape[1:] == (h, dk, dv)
+        and (state.shape[0] >= b if slots else state.shape[0] == b))
+  if not ok:
+    want = f"[S >= {b}, {h}, {dk}, {dv}]" if slots else str((b, h, dk, dv))
+    raise ValueError(f"state must be [B, H, DK, DV]={want}, got {state.shape}")
   if state.dtype != jnp.float32:
     raise ValueError(f"state must be float32, got {state.dtype}")
 
@@ -295,6 +299,7 @@ def chunk_gated_delta(
 
 def _verify_kernel(
     n_pend_ref,  # i32[1]       pending tokens to replay for this lane
+    live_ref,  # i32[1]         1 if the lane runs this step, 0 if it is idle
     s_in_ref,  # f32[DK, bv]    committed state before the previous block
     pk_ref,  # [P, DK]          pending keys
     pv_ref,  # [P, bv]          pending values (this program's columns)
@@ -320,11 +325,6 @@ def _verify_kernel(
     return step(s, pk_ref[p, :].astype(jnp.float32), pv_ref[p, :].astype(jnp.float32),
                 pg_ref[p], pb_ref[p])
 
-  s = s_in_ref[...]
-  # Only the first n_pend slots are read; slots beyond may hold anything.
-  s = lax.fori_loop(0, n_pend_ref[0], replay, s)
-  s_out_ref[...] = s
-
   def new_token(t, s):
     s = step(s, k_ref[t, :].astype(jnp.float32), v_ref[t, :].astype(jnp.float32),
              g_ref[t], b_ref[t])
@@ -332,7 +332,19 @@ def _verify_kernel(
     o_ref[t, :] = o.astype(o_ref.dtype)
     return s
 
-  lax.fori_loop(0, n_new, new_token, s)
+  # An idle lane's state is neither read nor written (it stays in place: s_out aliases
+  # s_in); its outputs are zeros.
+  @pl.when(live_ref[0] == 0)
+  def _idle():
+    o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+
+  @pl.when(live_ref[0] != 0)
+  def _run():
+    s = s_in_ref[...]
+    # Only the first n_pend slots are read; slots beyond may hold anything.
+    s = lax.fori_loop(0, n_pend_ref[0], replay, s)
+    s_out_ref[...] = s
+    lax.fori_loop(0, n_new, new_token, s)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
@@ -349,14 +361,17 @@ def gated_delta_verify(
     g: jax.Array,
     beta: jax.Array,
     *,
+    live: jax.Array | None = None,
     interpret: bool = False,
     tuning: GatedDeltaTuning | None = None,
 ) -> tuple[jax.Array, jax.Array]:
   """Speculative verify (or decode, T = 1) step with pending-token replay.
 
   Args:
-    state: f32[B, H, DK, DV] committed state from before the previous block.
-      Aliased to ``new_state``: donate it to update it in place.
+    state: f32[S, H, DK, DV], S >= B: committed state of S lane slots, from before
+      the previous block; lane b of the call is slot b, slots >= B are neither
+      read nor written (an engine step over a lane bucket passes its whole
+      cache). Aliased to ``new_state``: donate it to update it in place.
     pend_k: [B, P, H, DK], pend_v: [B, P, H, DV], pend_g, pend_beta:
       f32[B, P, H] -- the previous block's inputs (P >= 1).
     n_pend: i32[B] in [0, P]: how many pending tokens to commit (accepted
@@ -364,16 +379,19 @@ def gated_delta_verify(
       right after prefill). Slots >= n_pend are never read.
     q, k: [B, T, H, DK], v: [B, T, H, DV], g, beta: f32[B, T, H] -- the new
       block (T = k + 1 for k drafts; T = 1 for plain decode).
+    live: bool or i32 [B], optional: lanes that run this step. An idle lane's
+      state slot is neither read nor written and its outputs are zeros (its
+      tokens must be padding: the reference gives the same state). None: all run.
     interpret: run the Pallas interpreter.
     tuning: ``GatedDeltaTuning``; ``None`` looks up ``tuned_block_sizes``.
 
   Returns:
-    (o [B, T, H, DV] in v.dtype, new_state f32[B, H, DK, DV]) where
+    (o [B, T, H, DV] in v.dtype, new_state f32[S, H, DK, DV]) where
     new_state is the state after the n_pend committed pending tokens
-    (*not* after the new tokens).
+    (*not* after the new tokens); slots >= B keep their input values.
   """
   _validate_tokens("", q, k, v, g, beta)
-  _validate_state(state, q, v)
+  _validate_state(state, q, v, slots=True)
   b, t, h, dk = q.shape
   dv = v.shape[-1]
   _validate_tokens("pending ", pend_k, pend_k, pend_v, pend_g, pend_beta, b=b, h=h)
@@ -391,6 +409,11 @@ def gated_delta_verify(
     tuning = get_gated_delta_tuning("verify", dk, dv)
   bv = _block_v(dv, tuning, interpret)
   n_pend = jnp.clip(n_pend, 0, p)
+  if live is None:
+    live = jnp.ones((b,), jnp.int32)
+  if live.shape != (b,):
+    raise ValueError(f"live must be [B={b}], got {live.shape}")
+  live = live.astype(jnp.int32)
 
   kernel = functools.partial(_verify_kernel, n_new=t)
   grid = (b, h, dv // bv)
@@ -409,6 +432,7 @@ def gated_delta_verify(
       grid=grid,
       in_specs=[
           pl.BlockSpec((1,), lambda i, j, c: (i,)),  # n_pend
+          pl.BlockSpec((1,), lambda i, j, c: (i,)),  # live
           state_spec,
           tok_spec(p, dk, False), tok_spec(p, bv, True), scal_spec(p), scal_spec(p),
           tok_spec(t, dk, False), tok_spec(t, dk, False), tok_spec(t, bv, True),
@@ -417,14 +441,14 @@ def gated_delta_verify(
       out_specs=[tok_spec(t, bv, True), state_spec],
       out_shape=[
           jax.ShapeDtypeStruct((b, t, h, dv), v.dtype),
-          jax.ShapeDtypeStruct((b, h, dk, dv), jnp.float32),
+          jax.ShapeDtypeStruct(state.shape, jnp.float32),
       ],
-      input_output_aliases={1: 1},
+      input_output_aliases={2: 1},
       compiler_params=pltr.CompilerParams(num_warps=tuning.num_warps,
                                           num_stages=tuning.num_stages),
       interpret=interpret,
       name=f"gated_delta_verify_{tuning.name}",
-  )(n_pend, state, pend_k, pend_v, pend_g, pend_beta, q, k, v, g, beta)
+  )(n_pend, live, state, pend_k, pend_v, pend_g, pend_beta, q, k, v, g, beta)
   return o, new_state
 
 
@@ -520,7 +544,7 @@ def chunk_gated_delta_reference(q, k, v, g, beta, state, *, chunk_size=64):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
 def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pend,
-                                 q, k, v, g, beta, *, interpret=False, tuning=None):
+                                 q, k, v, g, beta, *, live=None, interpret=False, tuning=None):
   """jnp version of :func:`gated_delta_verify` (same signature and returns).
 
   Replays the pending slots with a masked scan (slots >= n_pend are selected
@@ -529,7 +553,9 @@ def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pen
   """
   del interpret, tuning
   _validate_tokens("", q, k, v, g, beta)
-  _validate_state(state, q, v)
+  _validate_state(state, q, v, slots=True)
+  slots, b = state, q.shape[0]
+  state = state[:b]
   pk, pv, pg, pb = _f32(pend_k, pend_v, pend_g, pend_beta)
 
   def replay(s, x):
@@ -543,4 +569,6 @@ def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pen
       jnp.moveaxis(x, 1, 0) for x in (pk, pv, pg, pb))
   s_c, _ = lax.scan(replay, state.astype(jnp.float32), xs)
   o, _ = recurrent_gated_delta_reference(q, k, v, g, beta, s_c)
-  return o, s_c
+  if live is not None:
+    o = jnp.where(live.astype(bool)[:, None, None, None], o, 0)
+  return o, slots.at[:b].set(s_c)

@@ -229,6 +229,30 @@ class TestGatedDelta:
                                atol=BF16_TOL, rtol=BF16_TOL)
     np.testing.assert_allclose(s, s_ref, atol=1e-5, rtol=1e-5)
 
+  def test_verify_runs_b_lanes_of_a_larger_state_and_skips_idle_lanes(self):
+    """An engine step passes its whole state (S slots) for a bucket of B lanes: slots >= B
+    and idle lanes must come back bit for bit (NaN-poisoned here, so a read-and-rewrite
+    would also show), live lanes must match the reference on their own slots."""
+    rng = np.random.default_rng(21)
+    b, slots, p, h, dk, dv = 3, 5, 2, 2, 16, 32
+    pend = [jnp.asarray(x) for x in make_tokens(rng, b, p, h, dk, dv)[1:]]
+    new = [jnp.asarray(x) for x in make_tokens(rng, b, 2, h, dk, dv)]
+    s_all = make_state(rng, slots, h, dk, dv)
+    s_all[1] = np.nan                       # lane 1 idle: its slot must stay NaN
+    s_all[b:] = np.nan                      # slots past the bucket: untouched
+    live = jnp.asarray([True, False, True])
+    n_pend = jnp.asarray([2, 0, 1], jnp.int32)
+    o, s = gated_delta_verify(jnp.asarray(s_all), *pend, n_pend, *new, live=live,
+                              interpret=self.INTERPRET)
+    assert s.shape == (slots, h, dk, dv)
+    assert np.isnan(np.asarray(s)[1]).all() and np.isnan(np.asarray(s)[b:]).all()
+    assert not np.isnan(np.asarray(o)).any() and not np.asarray(o)[1].any()
+    s_live = jnp.asarray(np.where(np.isnan(s_all[:b]), 0.0, s_all[:b]))
+    o_ref, s_ref = gated_delta_verify_reference(s_live, *pend, n_pend, *new)
+    for i in (0, 2):
+      np.testing.assert_allclose(o[i], o_ref[i], atol=F32_TOL, rtol=F32_TOL)
+      np.testing.assert_allclose(s[i], s_ref[i], atol=F32_TOL, rtol=F32_TOL)
+
 
 if jax.default_backend() == "gpu":
 

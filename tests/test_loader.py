@@ -83,7 +83,7 @@ def test_multimodal_layout_sharded_mixed_dtypes_and_vision_ignored(ckpt, tmp_pat
                                   mtpjax.forward_logits(cfg_p, params_p, tokens))
     _, params_b = mtpjax.load_checkpoint(path, dtype="bfloat16")
     assert params_b.embed.dtype == jax.numpy.bfloat16
-    assert params_b.linear.gdn.A_log.dtype == np.float32  # decay rate stays float32
+    assert params_b.layers[0].gdn.A_log.dtype == np.float32  # decay rate stays float32
     np.testing.assert_array_equal(np.asarray(params_b.mtp.fc.astype(np.float32)),
                                   np.asarray(params.mtp.fc))
 

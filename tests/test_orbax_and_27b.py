@@ -51,8 +51,8 @@ def test_qwen3_5_27b_shapes_and_parameter_counts():
     logits, mlogits, new_cache = jax.eval_shape(fwd, abstract, cache, tokens)
     assert logits.shape == (B, 248320) and logits.dtype == jnp.float32
     assert mlogits.shape == (B, 248320)
-    assert new_cache.linear.state.shape == (48, B, 48, 128, 128)
-    assert new_cache.linear.state.dtype == jnp.float32
-    assert new_cache.full.k.shape == (16, B, 64, 4, 256)
+    assert [c.state.shape for c in new_cache.gdn] == [(B, 48, 128, 128)] * 48
+    assert all(c.state.dtype == jnp.float32 for c in new_cache.gdn)
+    assert [kv.k.shape for kv in new_cache.kv] == [(B, 64, 4, 256)] * 17   # 16 layers + MTP
     # 144 MiB of recurrent state per sequence (spec §9)
-    assert new_cache.linear.state.size * 4 // B == 144 * 2 ** 20
+    assert sum(c.state.size for c in new_cache.gdn) * 4 // B == 144 * 2 ** 20

@@ -132,6 +132,12 @@ class MockModel:
             self.make_drafts(w.lane, n, first, n)
         return first
 
+    def move(self, src, dst):
+        """A lane's device state moves with it (steps.move_lane); pages move by table."""
+        for d in (self.last, self.drafts):
+            if src in d:
+                d[dst] = d.pop(src)
+
     def decode(self, lane, k):
         last, pos = self.last[lane]
         block = [last] + self.drafts.get(lane, [])[:k]
@@ -188,6 +194,10 @@ def run_mock(reqs, *, lanes, pages, page_size, k, chunk=5, max_seq_len=64, polic
     while sched.has_work():
         plan = sched.schedule()
         alloc.check()
+        for src, dst in plan.moves:
+            m.move(src, dst)
+        busy = [b for b, ln in enumerate(sched.lanes) if ln is not None]
+        assert busy == list(range(len(busy))), f"busy lanes {busy} are not compact"
         if plan.prefill:
             sched.prefill_done(plan.prefill, m.prefill(plan.prefill))
         results = {b: m.decode(b, plan.k) for b in plan.decode}

@@ -239,7 +239,7 @@ def test_writer_bf16_keeps_a_log_f32(tmp_path):
             assert str(f.get_tensor(k).dtype) == want, k
     _, p2 = mtpjax.load_checkpoint(str(tmp_path))
     # A_log exact; everything else is the bf16 rounding of the original
-    assert np.array_equal(np.asarray(p2.linear.gdn.A_log), np.asarray(params.linear.gdn.A_log))
+    assert np.array_equal(np.asarray(p2.layers[0].gdn.A_log), np.asarray(params.layers[0].gdn.A_log))
     x, y = np.asarray(params.embed), np.asarray(p2.embed)
     assert np.array_equal(y, x.astype(jax.numpy.bfloat16).astype(np.float32))
     assert not np.array_equal(x, y)

@@ -1,0 +1,131 @@
+"""`python -m experiments aot [--target=h200] [--lanes=1] [--max_seq_len=1024] [--num_speculative_tokens=3]`.
+
+Compiles the real Qwen3.5-27B step programs for an H200 on this CPU-only machine ("deviceless
+AOT": a compile-only topology device from XLA's published H200 target description,
+`experiments/data/h200_target_config.txtpb`) and audits what they move. No GPU, no weights:
+every argument is a `jax.ShapeDtypeStruct` carrying a `SingleDeviceSharding` of that device.
+
+Programs (experiments/aot_programs.build_programs): decode_k0 and decode_k{K} (steps.decode_step
+verifying 0 and K drafts), prefill_t{T} (steps.prefill_chunk), draft (one chained MTP step).
+
+For each it writes `<out_dir>/<program>.hlo.txt` (optimized HLO after the whole XLA GPU
+pipeline) and, in `<out_dir>/aot.json`:
+  lower_s, compile_s; memory (memory_analysis: argument, output, alias, temp bytes);
+  donation (donated entry parameters, how many XLA aliased to an output, which not);
+  audit (experiments.hlo_audit: bytes moved by copies and data-only fusions on buffers >= 1 MB
+    with loop trip counts applied, by kind weight / cache / other, the top offenders with op,
+    shape, bytes per execution and trips, the while loops and input/output aliases);
+  roofline: floor (weights + KV read for the context + GDN state read and write + lm_head once
+    per extra draft), estimate (floor + data movement), ratio and predicted ms at 4.8 TB/s.
+A compact table goes to stdout. Needs the `aot` extra (`pip install -e ".[aot]"`: the CUDA 13
+PJRT plugin and the compiler pieces it loads; no driver).
+
+Needs about 1.2 GB of host memory and ~10-20 s per 27B program on 2 cores.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import shlex
+import sys
+
+from absl import flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_enum("target", "h200", ["h200", "cpu"], "compile for an H200 (deviceless) or "
+                  "the host CPU")
+flags.DEFINE_enum("model", "27b", ["27b", "tiny"], "model shapes: Qwen3.5-27B or the bundled "
+                  "checkpoints/tiny config (quick checks)")
+flags.DEFINE_integer("lanes", 1, "engine lanes (batch of a decode step)")
+flags.DEFINE_integer("max_seq_len", 1024, "context per lane (KV pool sized for every lane)")
+flags.DEFINE_integer("num_speculative_tokens", 3, "K: compiles the k = 0 and the k = K step")
+flags.DEFINE_enum("kernels", "auto", ["auto", "pallas", "reference", "interpret"],
+                  "kernels; auto = pallas for h200, reference for cpu")
+flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights / KV dtype")
+flags.DEFINE_integer("page_size", 16, "KV page size in tokens")
+flags.DEFINE_integer("prefill_chunk", 64, "tokens of the prefill program's chunk")
+flags.DEFINE_list("programs", [], "compile only these (names as in the table); default all")
+flags.DEFINE_integer("min_mb", 1, "smallest data movement counted, MB written per execution")
+flags.DEFINE_float("hbm_gbps", 4800.0, "HBM bandwidth for the predicted time (H200: 4800)")
+flags.DEFINE_string("out_dir", "runs/aot", "where the HLO files and aot.json go")
+
+GB = 1e9
+
+
+def _table(rows: list[dict]) -> str:
+    head = (f"{'program':<12} {'compile_s':>9} {'moved_GB':>8} {'weight':>7} {'cache':>7} "
+            f"{'other':>7} {'floor_GB':>8} {'est_GB':>7} {'ratio':>6} {'floor_ms':>8} "
+            f"{'pred_ms':>7} {'temp_GB':>7} {'aliased':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        a, roof, d = r["audit"], r["roofline"], r["donation"]
+        k = a["data_movement_by_kind"]
+        temp = r["memory"]["temp"] / GB if r["memory"] else float("nan")
+        lines.append(
+            f"{r['program']:<12} {r['compile_s']:>9.1f} {a['data_movement_bytes'] / GB:>8.2f} "
+            f"{k['weight'] / GB:>7.2f} {k['cache'] / GB:>7.2f} {k['other'] / GB:>7.2f} "
+            f"{roof['floor_bytes'] / GB:>8.2f} {roof['estimate_bytes'] / GB:>7.2f} "
+            f"{roof['ratio']:>6.2f} {roof['floor_ms']:>8.2f} {roof['predicted_ms']:>7.2f} "
+            f"{temp:>7.2f} {d['aliased']:>3}/{d['donated']:<4}")
+    return "\n".join(lines)
+
+
+def main(argv):
+    del argv
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")   # a deviceless compile needs no GPU runtime
+    import jax
+
+    from experiments import aot_programs
+    from mtpjax.config import Config, qwen3_5_27b
+
+    cfg = qwen3_5_27b() if FLAGS.model == "27b" else Config.from_pretrained("checkpoints/tiny")
+    kernels = FLAGS.kernels
+    if kernels == "auto":
+        kernels = "pallas" if FLAGS.target == "h200" else "reference"
+    progs = aot_programs.build_programs(
+        cfg, lanes=FLAGS.lanes, max_seq_len=FLAGS.max_seq_len, K=FLAGS.num_speculative_tokens,
+        kernels=kernels, dtype=FLAGS.dtype, page_size=FLAGS.page_size,
+        prefill_chunk=FLAGS.prefill_chunk)
+    if FLAGS.programs:
+        unknown = set(FLAGS.programs) - {p.name for p in progs}
+        if unknown:
+            sys.exit(f"unknown programs {sorted(unknown)}; have {[p.name for p in progs]}")
+        progs = [p for p in progs if p.name in FLAGS.programs]
+    device = aot_programs.target_device(FLAGS.target)
+    os.makedirs(FLAGS.out_dir, exist_ok=True)
+    doc = {
+        "command": "python -m experiments aot " + shlex.join(sys.argv[1:]),
+        "date": datetime.datetime.now().isoformat(timespec="seconds"),
+        "jax": jax.__version__, "python": platform.python_version(),
+        "target": FLAGS.target, "device": str(device), "model": FLAGS.model,
+        "lanes": FLAGS.lanes, "max_seq_len": FLAGS.max_seq_len,
+        "num_speculative_tokens": FLAGS.num_speculative_tokens, "kernels": kernels,
+        "dtype": FLAGS.dtype, "page_size": FLAGS.page_size,
+        "prefill_chunk": FLAGS.prefill_chunk, "min_bytes": FLAGS.min_mb * 1_000_000,
+        "hbm_bytes_per_s": FLAGS.hbm_gbps * GB, "programs": {},
+    }
+    rows = []
+    for p in progs:
+        print(f"compiling {p.name} ...", flush=True)
+        r = aot_programs.compile_program(p, device, min_bytes=FLAGS.min_mb * 1_000_000,
+                                         bytes_per_s=FLAGS.hbm_gbps * GB)
+        with open(os.path.join(FLAGS.out_dir, f"{p.name}.hlo.txt"), "w") as f:
+            f.write(r.pop("hlo"))
+        doc["programs"][p.name] = r
+        rows.append(r)
+        with open(os.path.join(FLAGS.out_dir, "aot.json"), "w") as f:   # partial results too
+            json.dump(doc, f, indent=1)
+    print(f"\n{FLAGS.model} {FLAGS.dtype} {kernels} on {FLAGS.target}: lanes={FLAGS.lanes} "
+          f"max_seq_len={FLAGS.max_seq_len} K={FLAGS.num_speculative_tokens} "
+          f"(GB = 1e9 bytes per program run)")
+    print(_table(rows))
+    for r in rows:
+        top = r["audit"]["top_offenders"][:3]
+        for t in top:
+            print(f"  {r['program']}: {t['total_bytes'] / GB:7.2f} GB  {t['kind']:<13} "
+                  f"{t['what']} {t['shape']} x{t['instructions']} x{t['trips']} trips  "
+                  f"{(t['sources'] or [''])[0]}")
+    print(f"wrote {FLAGS.out_dir}/aot.json and {len(rows)} .hlo.txt")

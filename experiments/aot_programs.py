@@ -1,0 +1,271 @@
+"""The engine's step programs as abstract (shape-only) calls, compiled without a device.
+
+`build_programs` is the ONE place that knows the step programs' signatures (which arguments,
+their shapes, which are weights / caches, which are static): when `mtpjax.steps` changes,
+adapt that function and nothing else. Shapes come from the code itself
+(`mtpjax.params.abstract_params`, `jax.eval_shape(model.init_paged_cache ...)`), so a change of
+layout (per-layer tuples instead of stacked arrays) flows through.
+
+`compile_program` lowers one Program for a target (the H200 through a deviceless topology, or
+the host CPU) and returns its optimized HLO, memory analysis, donation and the traffic audit
+of `experiments.hlo_audit`. No flags here (experiments/aot.py owns those), so tests can import
+this module next to any other sub-command.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from functools import partial
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from experiments import hlo_audit
+from mtpjax import model, sampling, steps
+from mtpjax.config import Config
+from mtpjax.kv_pool import pages_for
+from mtpjax.params import abstract_params, hf_tensor_map, leaf_dtype
+
+TARGET_CONFIG = os.path.join(os.path.dirname(__file__), "data", "h200_target_config.txtpb")
+WEIGHT, CACHE, OTHER = "weight", "cache", "other"
+
+
+@dataclasses.dataclass(frozen=True)
+class Reads:
+    """What a program must read from HBM at least (its roofline floor), in model terms.
+
+    target_passes: target-model forwards (each reads every target weight once, lm_head
+        included); mtp_passes: MTP-layer passes (each re-reads the MTP weights: chained drafts
+        are sequential); lm_head_extra: lm_head reads beyond the target's (one per draft made,
+        one for a prefill's first token); lanes x context: KV tokens read (target layers per
+        target pass, the MTP layer per MTP pass); gdn_lanes: lanes whose GDN state
+        (recurrent state, conv window, pending buffers) is read and written once.
+    kv_token_bytes (K and V of one token in one layer) and gdn_lane_bytes (one lane's GDN
+    slot, all layers) price them; they depend on the cache layout, so build_programs sets them.
+    """
+    target_passes: int
+    mtp_passes: int
+    lm_head_extra: int
+    lanes: int
+    context: int
+    gdn_lanes: int
+    kv_token_bytes: int
+    gdn_lane_bytes: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """One step program as an abstract call: fn(*args, **kwargs).
+
+    args: positional arguments; static ones (cfg) as values, dynamic ones as pytrees of
+    jax.ShapeDtypeStruct (no sharding yet). arg_kinds: per positional argument, "weight",
+    "cache", "other", or None for a static one. reads: what its floor counts.
+    """
+    name: str
+    fn: Callable
+    args: tuple
+    kwargs: dict
+    arg_kinds: tuple
+    reads: Reads
+    dtype: str          # the weights' dtype (prices the floor's weight bytes)
+
+
+def _sds(shape, dtype):
+    return jax.ShapeDtypeStruct(tuple(shape), jnp.dtype(dtype))
+
+
+def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels: str,
+                   dtype: str = "bfloat16", page_size: int = 16,
+                   prefill_chunk: int = 64) -> list[Program]:
+    """The engine's programs for an engine of `lanes` lanes drafting K tokens.
+
+    decode_k0 and decode_k{K}: steps.decode_step verifying 0 and K drafts (one program when
+    K = 0); prefill_t{T}: steps.prefill_chunk over one chunk of T tokens (the engine's largest
+    bucket); draft: one chained MTP step (steps.draft_chain with k = 2), the unit of the draft
+    path (K >= 1 only). The KV pool holds every lane at full context, as the engine's default.
+    """
+    B, P = lanes, K + 1
+    pages_per_lane = pages_for(max_seq_len + 2 * K, page_size)      # as Engine.__init__
+    num_pages = B * pages_per_lane
+    params = abstract_params(cfg, dtype)
+    cache = jax.eval_shape(partial(model.init_paged_cache, cfg, B, num_pages, page_size, P,
+                                   dtype))
+    state = jax.eval_shape(partial(steps.LaneState.empty, B, K))
+    i32, f32 = jnp.int32, jnp.float32
+    lane_sampling = sampling.LaneSampling(temperature=_sds((B,), f32), top_k=_sds((B,), i32),
+                                          top_p=_sds((B,), f32), seed=_sds((B,), jnp.uint32))
+    active = _sds((B,), jnp.bool_)
+    table = _sds((B, pages_per_lane), i32)
+    kw = dict(kernels=kernels)
+    mtp = 1 if K > 0 else 0
+    price = dict(kv_token_bytes=2 * cfg.num_key_value_heads * cfg.head_dim
+                 * jnp.dtype(cache.kv[0].k.dtype).itemsize,
+                 gdn_lane_bytes=_nbytes(cache.gdn) // B)
+    progs = []
+    for k in sorted({0, K}):
+        chain = (K - 1) if k > 0 else 0
+        progs.append(Program(
+            f"decode_k{k}", steps.decode_step,
+            (cfg, params, cache, state, lane_sampling, active, table), dict(k=k, **kw),
+            (None, WEIGHT, CACHE, OTHER, OTHER, OTHER, OTHER),
+            Reads(1, mtp * (1 + chain), mtp * (1 + chain), B, max_seq_len, B, **price), dtype))
+    T = prefill_chunk
+    scalar = lambda dt: _sds((), dt)
+    progs.append(Program(
+        f"prefill_t{T}", steps.prefill_chunk,
+        (cfg, params, cache, state, lane_sampling, scalar(i32), _sds((1, T), i32),
+         _sds((1, T), i32), scalar(i32), scalar(i32), scalar(jnp.bool_),
+         _sds((1, pages_per_lane), i32)),
+        dict(k=K, **kw),
+        (None, WEIGHT, CACHE, OTHER, OTHER, OTHER, OTHER, OTHER, OTHER, OTHER, OTHER, OTHER),
+        Reads(1, mtp * K, 1 + mtp * K, 1, max_seq_len, 1, **price), dtype))
+    if K > 0:
+        progs.append(Program(
+            "draft", _draft_chain,
+            (cfg, params, cache, _sds((B, cfg.hidden_size), dtype), _sds((B,), i32),
+             _sds((B,), i32), active, table),
+            dict(k=2, **kw),
+            (None, WEIGHT, CACHE, OTHER, OTHER, OTHER, OTHER, OTHER),
+            Reads(0, 1, 1, B, max_seq_len, 0, **price), dtype))
+    return progs
+
+
+# The draft path is a function inside the step programs; compiled alone it needs its own jit
+# (cache donated like the steps').
+_draft_chain = jax.jit(steps.draft_chain, static_argnames=("cfg", "k", "kernels"),
+                       donate_argnames=("cache",))
+
+
+# ---------------------------------------------------------------------------------------------
+# Floors
+# ---------------------------------------------------------------------------------------------
+
+def _nbytes(tree) -> int:
+    return int(sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
+                   for x in jax.tree.leaves(tree)))
+
+
+def weight_bytes(cfg: Config, dtype: str) -> dict[str, int]:
+    """Checkpoint tensor bytes by role, from the HF tensor map (independent of how Params
+    lays them out): target (every text weight but the embedding table; lm_head included, the
+    embedding when tied), mtp (the MTP head), lm_head."""
+    out = {"target": 0, "mtp": 0, "lm_head": 0}
+    for spec in hf_tensor_map(cfg):
+        n = int(np.prod(spec.shape)) * leaf_dtype(spec.path, dtype).itemsize
+        if spec.name.startswith("mtp."):
+            out["mtp"] += n
+        elif spec.name == "embed_tokens.weight":
+            if cfg.tie_word_embeddings:
+                out["target"] += n
+                out["lm_head"] += n
+        else:
+            out["target"] += n
+            if spec.name == "lm_head.weight":
+                out["lm_head"] += n
+    return out
+
+
+def floor_terms(prog: Program) -> dict[str, float]:
+    """Bytes a program must move at least: its `Reads`, priced.
+
+    weights: target weights per target pass + MTP head weights per MTP pass; kv_read: lanes x
+    context tokens of the target layers' K and V per target pass and of the MTP layer's per MTP
+    pass; gdn_state_rw: one read and one write of each counted lane's GDN slot; lm_head_extra:
+    lm_head bytes per extra read.
+    """
+    cfg, r = prog.args[0], prog.reads
+    w = weight_bytes(cfg, prog.dtype)
+    return {
+        "weights": float(r.target_passes * w["target"] + r.mtp_passes * w["mtp"]),
+        "kv_read": float(r.lanes * r.context * r.kv_token_bytes
+                         * (r.target_passes * cfg.num_full_layers + r.mtp_passes)),
+        "gdn_state_rw": float(2 * r.gdn_lanes * r.gdn_lane_bytes),
+        "lm_head_extra": float(r.lm_head_extra * w["lm_head"]),
+    }
+
+
+# ---------------------------------------------------------------------------------------------
+# Compiling
+# ---------------------------------------------------------------------------------------------
+
+def target_device(target: str, target_config: str = TARGET_CONFIG):
+    """A device to compile for: the H200 as a deviceless topology device, or the host CPU."""
+    if target == "cpu":
+        return jax.devices("cpu")[0]
+    if target != "h200":
+        raise ValueError(f"unknown target {target!r} (h200 or cpu)")
+    from jax.experimental import topologies
+    with open(target_config) as f:
+        spec = f.read()
+    topo = topologies.get_topology_desc("h200", "cuda", target_config=spec, topology="1x1x1")
+    return topo.devices[0]
+
+
+def _place(tree, sharding):
+    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding),
+                        tree)
+
+
+def _kept_params(lowered, n_leaves: int) -> list[int]:
+    """Flat dynamic-argument leaf index of each HLO entry parameter (jit drops unused ones)."""
+    kept = getattr(getattr(lowered, "_lowering", None), "compile_args", {}).get("kept_var_idx")
+    return sorted(kept) if kept is not None else list(range(n_leaves))
+
+
+def compile_program(prog: Program, device, *, min_bytes: int = hlo_audit.MB,
+                    bytes_per_s: float = hlo_audit.H200_BYTES_PER_S) -> dict[str, Any]:
+    """Lower and compile one program for `device`; audit its optimized HLO.
+
+    Returns a JSON-ready dict (see experiments/aot.py for the fields) plus "hlo" (the text).
+    """
+    sh = jax.sharding.SingleDeviceSharding(device)
+    args = tuple(a if kind is None else _place(a, sh) for a, kind in zip(prog.args,
+                                                                          prog.arg_kinds))
+    t0 = time.perf_counter()
+    lowered = prog.fn.lower(*args, **prog.kwargs)
+    t1 = time.perf_counter()
+    compiled = lowered.compile()
+    t2 = time.perf_counter()
+    hlo = compiled.as_text()
+
+    # entry parameter number -> kind / name / donated, from the dynamic arguments' leaves
+    leaf_kinds, leaf_names = [], []
+    for a, kind in zip(prog.args, prog.arg_kinds):
+        if kind is None:
+            continue
+        for path, _ in jax.tree_util.tree_flatten_with_path(a)[0]:
+            leaf_kinds.append(kind)
+            leaf_names.append(jax.tree_util.keystr(path))
+    info = [x for x in jax.tree.leaves(lowered.args_info[0]) if hasattr(x, "donated")]
+    if len(info) != len(leaf_kinds):
+        raise RuntimeError(f"{prog.name}: {len(info)} dynamic leaves in args_info, "
+                           f"{len(leaf_kinds)} in the Program's args")
+    kept = _kept_params(lowered, len(leaf_kinds))
+    param_kinds = {n: leaf_kinds[i] for n, i in enumerate(kept)}
+    module = hlo_audit.parse_module(hlo)
+    param_names = {n: hlo_audit.param_label(p) for n, p in module.entry_params().items()}
+    donated = [n for n, i in enumerate(kept) if info[i].donated]
+
+    audit = hlo_audit.audit(hlo, param_kinds, min_bytes)
+    mem = compiled.memory_analysis()
+    terms = floor_terms(prog)
+    roof = hlo_audit.roofline(**terms, data_movement=audit.total, bytes_per_s=bytes_per_s)
+    weight_bytes = terms["weights"]
+    return {
+        "program": prog.name,
+        "static": {k: v for k, v in prog.kwargs.items()},
+        "reads": dataclasses.asdict(prog.reads),
+        "lower_s": t1 - t0, "compile_s": t2 - t1,
+        "memory": {f: getattr(mem, f + "_size_in_bytes") for f in
+                   ("argument", "output", "alias", "temp")} if mem is not None else None,
+        "donation": hlo_audit.alias_report(module.aliases, donated, param_names),
+        "audit": audit.summary(param_names=param_names),
+        "weight_copy_bytes": audit.by_kind.get("weight", 0),
+        "data_movement_over_weights": audit.total / weight_bytes if weight_bytes else None,
+        "roofline": roof,
+        "hlo": hlo,
+    }
