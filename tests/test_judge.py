@@ -16,7 +16,7 @@ from judge_fixtures import write_judge_checkpoint
 from mtpjax import sampling
 
 # Two busy lanes sharing a 3-page pool: page granularity and preemption hold the steady-state
-# page use near 0.7 here (the default workload, 16 lanes, measures 0.92-0.93), so the busy
+# page use near 0.7 here (the default workload, 16 lanes, measures 0.93-0.94), so the busy
 # validity floor of this tiny configuration is lower than the default 0.9.
 SMALL_LIMITS = gate.Limits(busy_page_use_floor=0.5)
 SMALL = dict(passes=1, solo_requests=2, team_lanes=2, team_requests=4, busy_lanes=2, prompt_tokens=16,
