@@ -53,7 +53,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
 from jax.scipy.linalg import solve_triangular
 
-from pallas_kernels.tuned_block_sizes import GatedDeltaTuning, get_gated_delta_tuning
+from pallas_kernels.tuned_block_sizes import TRITON_MIN_DOT, GatedDeltaTuning, get_gated_delta_tuning
 
 _HI = lax.Precision.HIGHEST
 
@@ -78,6 +78,9 @@ def _dot_nt(a, b):  # a @ b.T
 
 def _block_v(dv: int, tuning: GatedDeltaTuning, interpret: bool) -> int:
   bv = min(tuning.block_v, dv)
+  if not interpret and bv < TRITON_MIN_DOT:
+    raise ValueError(f"the Triton kernel needs block_v >= {TRITON_MIN_DOT} (a dot dimension), "
+                     f"got block_v={bv} for DV={dv}")
   if dv % bv == 0:
     return bv
   if interpret:

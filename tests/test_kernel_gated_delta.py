@@ -400,3 +400,18 @@ def test_verify_lowers_for_cuda_at_27b_shapes(b, t):
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "__gpu$xla.gpu.triton" in text and "gated_delta_verify_" in text
   assert "tf.aliasing_output" in text  # the state buffer is updated in place
+
+
+def test_compiled_block_v_below_16_is_rejected():
+  """Triton dots need every dimension >= 16: a value block of 8 must be refused on the
+  compiled path (interpret mode has no such limit)."""
+  from pallas_kernels import GatedDeltaTuning
+  rng = np.random.default_rng(5)
+  q, k, v, g, beta = map(jnp.asarray, make_tokens(rng, 1, 4, 2, 16, 32))
+  s0 = jnp.asarray(make_state(rng, 1, 2, 16, 32))
+  small = GatedDeltaTuning(block_v=8, num_warps=4, num_stages=1)
+  with pytest.raises(ValueError, match="block_v >= 16"):
+    jax.jit(lambda *a: chunk_gated_delta(*a, tuning=small)).trace(
+        q, k, v, g, beta, s0).lower(lowering_platforms=("cuda",))
+  o, _ = chunk_gated_delta(q, k, v, g, beta, s0, tuning=small, interpret=True)
+  assert o.shape == (1, 4, 2, 32)
