@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from experiments.gpu_check import failures, parse_junit, pytest_problems
+from experiments.gpu_check_report import failures, parse_junit, pytest_problems
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 300
