@@ -206,9 +206,10 @@ class Engine:
             self._sched.cancel(request_id)
 
     # ---------------------------------------------------------------- pieces
-    def _lane_sampling(self, sched: Scheduler) -> LaneSampling:
+    def _lane_sampling(self, sched: Scheduler, n: int | None = None) -> LaneSampling:
+        """Sampling settings of the first n lane slots (all when None); idle slots get defaults."""
         return LaneSampling.from_params(
-            [ln.req.params if ln is not None else SamplingParams() for ln in sched.lanes])
+            [ln.req.params if ln is not None else SamplingParams() for ln in sched.lanes[:n]])
 
     def lane_bucket(self, busy_lanes) -> int:
         """Lane slots a decode step runs: the smallest bucket (1, 2, 4, ..., max_lanes) that
@@ -232,8 +233,7 @@ class Engine:
             nb = self.lane_bucket(plan.decode)
             active = np.zeros(nb, bool)
             active[list(plan.decode)] = True
-            lanes = LaneSampling.from_params(
-                [ln.req.params if ln is not None else SamplingParams() for ln in sched.lanes[:nb]])
+            lanes = self._lane_sampling(sched, nb)
             t0 = time.perf_counter()
             self.cache, self.state, out, n_acc = steps.decode_step(
                 self.cfg, self.params, self.cache, self.state, lanes, jnp.asarray(active),
