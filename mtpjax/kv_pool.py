@@ -174,12 +174,11 @@ class PageAllocator:
         return np.array(sorted(self._free), np.int32)
 
     def check(self) -> None:
-        """Invariants (tests): every page is either free or owned by exactly one lane."""
+        """Invariants (tests): the table is valid (`validate_page_table`) and every page is
+        either free or owned by exactly one lane."""
+        validate_page_table(self._table, self._owned, self.num_pages)
         owned = [int(p) for b in range(self.max_lanes) for p in self._table[b, :self._owned[b]]]
         allp = owned + list(self._free)
         if sorted(allp) != list(range(self.num_pages)):
             raise AssertionError(f"page accounting broken: owned {sorted(owned)}, "
                                  f"free {sorted(self._free)}")
-        for b in range(self.max_lanes):
-            if np.any(self._table[b, self._owned[b]:] != self.num_pages):
-                raise AssertionError(f"lane {b} has table entries past its owned pages")
