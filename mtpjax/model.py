@@ -202,10 +202,15 @@ class Segment:
         return Segment(jnp.zeros((batch,), jnp.int32), jnp.full((batch,), length, jnp.int32))
 
 
+def _first_slots(lane0) -> bool:
+    """lane0 is the static 0: the call's lanes are the cache's first slots."""
+    return isinstance(lane0, int) and lane0 == 0
+
+
 def take_slots(tree, lane0, n: int):
     """Rows [lane0, lane0 + n) of every [B_cache, ...] leaf (a no-op for the whole cache)."""
     def take(a):
-        if isinstance(lane0, int) and lane0 == 0 and a.shape[0] == n:
+        if _first_slots(lane0) and a.shape[0] == n:
             return a
         return lax.dynamic_slice_in_dim(a, lane0, n, axis=0)
     return jax.tree.map(take, tree)
@@ -214,7 +219,7 @@ def take_slots(tree, lane0, n: int):
 def put_slots(tree, lane0, sub):
     """Write `sub`'s rows back at [lane0, lane0 + n): in place on a donated cache."""
     def put(a, s):
-        if s.shape == a.shape and isinstance(lane0, int) and lane0 == 0:
+        if s.shape == a.shape and _first_slots(lane0):
             return s
         return lax.dynamic_update_slice_in_dim(a, s.astype(a.dtype), lane0, axis=0)
     return jax.tree.map(put, tree, sub)
@@ -419,8 +424,7 @@ def gdn_block(cfg: Config, p: GdnParams, x, c: GdnCache, n_pend, seg: Segment, m
     else:
         # The kernel reads and writes the first B slots of the whole state in place; anything
         # else works on the call's slots.
-        whole = isinstance(seg.lane0, int) and seg.lane0 == 0
-        o, S = gdn_math.step(c.state if whole else cv.state, cv.pend_k, cv.pend_v, cv.pend_g,
+        o, S = gdn_math.step(c.state if _first_slots(seg.lane0) else cv.state, cv.pend_k, cv.pend_v, cv.pend_g,
                              cv.pend_beta, n_pend, q, k, v, g, beta, kernels,
                              live=seg.n_valid > 0)
         padT = [(0, 0), (0, P - T)]
