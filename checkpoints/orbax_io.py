@@ -47,7 +47,15 @@ def save_converted(path: str, cfg: Config, params: Params, dtype: str, source: s
         json.dump({"dtype": dtype, "source": source, "layout": LAYOUT}, f)
 
 
-def restore_converted(path: str) -> tuple[Config, Params, str]:
+def restore_converted(path: str, meshes=None):
+    """(cfg, params, stored dtype) from a converted folder.
+
+    meshes: None -> params on the default device. Else a list of tensor-parallel meshes
+    (tensor_parallel.make_meshes) -> (cfg, [params per mesh], dtype): orbax restores each leaf
+    straight onto the mesh, split along the axis its tensor-parallel layout shards (replicated
+    when that axis does not divide), then one jitted gather per leaf reorders it into the
+    shard-major layout on the devices. The model never sits whole on one device or the host.
+    """
     path = os.path.abspath(path)
     with open(os.path.join(path, MARKER)) as f:
         marker = json.load(f)
@@ -58,5 +66,51 @@ def restore_converted(path: str) -> tuple[Config, Params, str]:
     cfg = Config.from_pretrained(path)
     abstract = abstract_params(cfg, dtype)
     ckpt = ocp.StandardCheckpointer()
-    params = ckpt.restore(os.path.join(path, "params"), abstract)
-    return cfg, params, dtype
+    if meshes is None:
+        params = ckpt.restore(os.path.join(path, "params"), abstract)
+        return cfg, params, dtype
+    out = []
+    for mesh in meshes:
+        out.append(_restore_on_mesh(ckpt, os.path.join(path, "params"), cfg, abstract, mesh))
+    return cfg, out, dtype
+
+
+def _restore_on_mesh(ckpt, folder: str, cfg: Config, abstract: Params, mesh) -> Params:
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from mtpjax import tensor_parallel as tpar
+    from mtpjax.params import get_path, leaf_shapes, replace_path
+
+    if mesh is None:
+        return ckpt.restore(folder, abstract)
+    tp = tpar.mesh_tp(mesh)
+    target = tpar.sharded_abstract_params(cfg, mesh, jax.tree.leaves(abstract)[0].dtype)
+    staged = abstract
+    for lp in leaf_shapes(cfg):
+        a = get_path(abstract, lp)
+        lay = tpar.layout_index(cfg, tp, lp)
+        spec = P()
+        if lay is not None and a.shape[lay[0]] % tp == 0:
+            spec = P(*([None] * lay[0] + [tpar.TP_AXIS]))
+        staged = replace_path(staged, lp, jax.ShapeDtypeStruct(
+            a.shape, a.dtype, sharding=NamedSharding(mesh, spec)))
+    params = ckpt.restore(folder, staged)
+    for lp in leaf_shapes(cfg):
+        lay = tpar.layout_index(cfg, tp, lp)
+        want = get_path(target, lp).sharding
+        x = get_path(params, lp)
+        if lay is None:
+            y = jax.device_put(x, want)
+        else:
+            axis, idx = lay
+            def relayout(x, idx=jnp.asarray(idx), axis=axis):
+                y = jnp.take(x, jnp.maximum(idx, 0), axis=axis)
+                shape = [1] * y.ndim
+                shape[axis] = idx.shape[0]
+                return jnp.where((idx >= 0).reshape(shape), y, jnp.zeros((), y.dtype))
+            y = jax.jit(relayout, out_shardings=want)(x)
+        params = replace_path(params, lp, y)
+        del x
+    return params

@@ -14,18 +14,24 @@ from mtpjax.params import Params
 DTYPES = ("float32", "bfloat16")
 
 
-def load_checkpoint(path: str, dtype: str = "float32") -> tuple[Config, Params]:
-    """(cfg, params) from an HF checkpoint folder or an orbax folder made by `convert`."""
+def load_checkpoint(path: str, dtype: str = "float32", meshes=None):
+    """(cfg, params) from an HF checkpoint folder or an orbax folder made by `convert`.
+
+    meshes: None (params on the default device), or a list of tensor-parallel meshes
+    (`tensor_parallel.make_meshes`) -> (cfg, [params laid out on each mesh]); each leaf goes
+    from the files to its shards one leaf at a time (see checkpoints.hf_loader.load_params).
+    """
     from checkpoints import is_orbax_checkpoint, load_params, restore_converted
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
     if is_orbax_checkpoint(path):
-        cfg, params, stored = restore_converted(path)
+        cfg, params, stored = restore_converted(path, meshes)
         if stored != dtype:
-            params = cast_params(params, dtype)
+            cast = lambda p: cast_params(p, dtype)
+            params = cast(params) if meshes is None else [cast(p) for p in params]
         return cfg, params
     cfg = Config.from_pretrained(path)
-    return cfg, load_params(cfg, path, dtype)
+    return cfg, load_params(cfg, path, dtype, meshes)
 
 
 def cast_params(params: Params, dtype: str) -> Params:

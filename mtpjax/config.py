@@ -53,6 +53,10 @@ class Config:
     mtp_num_hidden_layers: int = 1
     max_position_embeddings: int = 262144
     eos_token_ids: tuple[int, ...] = ()
+    # Set only on the per-shard config of a tensor-parallel step (tensor_parallel.shard_config):
+    # head counts and intermediate_size are then one shard's, and the model reduces its
+    # row-parallel outputs (and vocabulary-sharded embedding / lm_head) over this mesh axis.
+    tp_axis: str | None = None
 
     def __post_init__(self):
         _check(self)

@@ -35,7 +35,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtpjax import model, steps
+from jax.sharding import NamedSharding, PartitionSpec
+
+from mtpjax import model, steps, tensor_parallel
 from mtpjax.config import Config
 from mtpjax.gdn import check_kernels
 from mtpjax.kv_pool import OutOfPagesError, PageAllocator, pages_for
@@ -51,6 +53,21 @@ __all__ = ["Engine", "RequestOutput", "RequestStats", "SpeculationPolicy", "OutO
 
 def default_kernels() -> str:
     return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def _peek_config(path: str) -> Config:
+    return Config.from_pretrained(path)
+
+
+def _check_placed(cfg: Config, params: Params, mesh) -> None:
+    """Params handed in with a mesh must already be laid out on it (tensor_parallel)."""
+    want = tensor_parallel.sharded_abstract_params(cfg, mesh, params.embed.dtype)
+    for got, exp in zip(jax.tree.leaves(params), jax.tree.leaves(want)):
+        if got.shape != exp.shape or not got.sharding.is_equivalent_to(exp.sharding, got.ndim):
+            raise ValueError(f"params given with mesh= are not laid out on it (a leaf has shape "
+                             f"{got.shape}, sharding {got.sharding}; expected {exp.shape}, "
+                             f"{exp.sharding}): pass tp= instead, or place them with "
+                             "tensor_parallel.place_params")
 
 
 def _buckets(limit: int) -> list[int]:
@@ -79,7 +96,8 @@ class Engine:
                  kernels: str | None = None, eos_token_ids: Sequence[int] | None = None,
                  page_size: int = 16, num_pages: int | None = None,
                  speculation_policy: Policy | None = None,
-                 prefill_buckets: Sequence[int] | None = None):
+                 prefill_buckets: Sequence[int] | None = None,
+                 tp: int = 1, devices: Sequence | None = None, mesh=None):
         k = int(num_speculative_tokens)
         if k < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
@@ -99,6 +117,16 @@ class Engine:
         if kernels == "pallas" and page_size & (page_size - 1):
             raise ValueError(f"the Triton paged-attention kernel needs a power-of-two "
                              f"page_size, got {page_size}")
+        if mesh is None:
+            mesh = tensor_parallel.make_meshes(tp, 1, devices)[0] if (tp > 1 or devices) else None
+            params = tensor_parallel.place_params(cfg, params, mesh)
+        elif tp not in (1, tensor_parallel.mesh_tp(mesh)):
+            raise ValueError(f"tp={tp} but the given mesh has {tensor_parallel.mesh_tp(mesh)} "
+                             "devices on its tp axis")
+        else:
+            _check_placed(cfg, params, mesh)
+        tensor_parallel.check_tp(cfg, tensor_parallel.mesh_tp(mesh))
+        self.mesh, self.tp = mesh, tensor_parallel.mesh_tp(mesh)
         self.cfg, self.params, self.k = cfg, params, k
         self.max_lanes, self.max_seq_len, self.kernels = max_lanes, max_seq_len, kernels
         buckets = sorted(set(map(int, prefill_buckets or _buckets(prefill_chunk))))
@@ -118,9 +146,11 @@ class Engine:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.page_size, self.num_pages = page_size, num_pages
         self.alloc = PageAllocator(num_pages, page_size, max_lanes, self.pages_per_lane)
-        self.cache = model.init_paged_cache(cfg, max_lanes, num_pages, page_size, k + 1,
-                                            self.dtype)
+        self.cache = tensor_parallel.init_paged_cache(cfg, mesh, max_lanes, num_pages,
+                                                      page_size, k + 1, self.dtype)
         self.state = steps.LaneState.empty(max_lanes, k)
+        if mesh is not None:
+            self.state = jax.device_put(self.state, NamedSharding(mesh, PartitionSpec()))
         self.timing = {"prefill_s": 0.0, "step_s": 0.0, "host_s": 0.0, "steps": 0,
                        "plain_steps": 0, "prefill_chunks": 0, "lane_moves": 0}
         self.preemptions = 0
@@ -129,11 +159,29 @@ class Engine:
 
     @classmethod
     def from_checkpoint(cls, path: str, dtype: str = "float32", num_speculative_tokens: int = 0,
-                        **kw) -> "Engine":
-        """Load a checkpoint; kw (kernels, page_size, num_pages, max_lanes, ...) go to Engine."""
+                        tp: int = 1, dp: int = 1, devices: Sequence | None = None, **kw):
+        """Load a checkpoint onto tp x dp devices; kw (kernels, page_size, num_pages,
+        max_lanes, ...) go to each Engine.
+
+        tp: tensor-parallel degree (each weight and cache split over tp devices, see
+        tensor_parallel.py); dp: data-parallel replicas, each with its own lanes and page pool
+        (dp > 1 returns a `data_parallel.DataParallelEngine`, which has the Engine interface).
+        Each checkpoint tensor is read once and sent straight to its shards.
+        """
         from mtpjax.api import load_checkpoint
-        cfg, params = load_checkpoint(path, dtype)
-        return cls(cfg, params, num_speculative_tokens=num_speculative_tokens, **kw)
+        meshes = tensor_parallel.make_meshes(tp, dp, devices)
+        cfg = _peek_config(path)
+        tensor_parallel.check_tp(cfg, tp)     # before reading any weight
+        if meshes == [None]:
+            cfg, params = load_checkpoint(path, dtype)
+            return cls(cfg, params, num_speculative_tokens=num_speculative_tokens, **kw)
+        cfg, trees = load_checkpoint(path, dtype, meshes)
+        engines = [cls(cfg, p, num_speculative_tokens=num_speculative_tokens, mesh=m, **kw)
+                   for p, m in zip(trees, meshes)]
+        if dp == 1:
+            return engines[0]
+        from mtpjax.data_parallel import DataParallelEngine
+        return DataParallelEngine(engines)
 
     # ---------------------------------------------------------------- validation
     def _validate(self, prompt, params, sched: Scheduler) -> str | None:
@@ -220,7 +268,7 @@ class Engine:
     def _run(self, sched: Scheduler, plan: Plan) -> None:
         for src, dst in plan.moves:
             self.cache, self.state = steps.move_lane(self.cache, self.state, jnp.int32(src),
-                                                     jnp.int32(dst))
+                                                     jnp.int32(dst), mesh=self.mesh)
             self.timing["lane_moves"] += 1
         if plan.prefill is not None:
             t0 = time.perf_counter()
@@ -237,7 +285,8 @@ class Engine:
             t0 = time.perf_counter()
             self.cache, self.state, out, n_acc = steps.decode_step(
                 self.cfg, self.params, self.cache, self.state, lanes, jnp.asarray(active),
-                jnp.asarray(self.alloc.table[:nb]), k=plan.k, kernels=self.kernels)
+                jnp.asarray(self.alloc.table[:nb]), k=plan.k, kernels=self.kernels,
+                mesh=self.mesh)
             out, n_acc = np.asarray(out), np.asarray(n_acc)
             t1 = time.perf_counter()
             self._programs.add(("decode", plan.k, nb))
@@ -259,7 +308,7 @@ class Engine:
             self.cfg, self.params, self.cache, self.state, lanes, jnp.int32(w.lane),
             jnp.asarray(toks), jnp.asarray(nt), jnp.int32(w.start), jnp.int32(n),
             jnp.bool_(w.is_last), jnp.asarray(self.alloc.table[w.lane:w.lane + 1]),
-            k=self.k, kernels=self.kernels)
+            k=self.k, kernels=self.kernels, mesh=self.mesh)
         self._programs.add(("prefill", T))
         self.timing["prefill_chunks"] += 1
         return int(first) if w.is_last else None
@@ -271,4 +320,7 @@ class Engine:
                 "page_size": self.page_size, "pages_per_lane": self.pages_per_lane,
                 "preemptions": self.preemptions, "max_lanes": self.max_lanes,
                 "max_seq_len": self.max_seq_len, "num_speculative_tokens": self.k,
-                "kernels": self.kernels, **self.timing}
+                "kernels": self.kernels, "tp": self.tp,
+                "devices": [str(d) for d in (self.mesh.devices.flat if self.mesh is not None
+                                             else [self.params.embed.devices().pop()])],
+                **self.timing}

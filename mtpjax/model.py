@@ -254,9 +254,19 @@ def l2norm(x, eps=1e-6):
     return x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
 
 
-def mlp_block(p: MlpParams, x):
+def row_parallel(cfg: Config, x, w):
+    """dense(x, w) for a weight split by input columns under tensor parallelism: each shard's
+    float32 partial sum is all-reduced over cfg.tp_axis, then rounded once (the one-device
+    GEMM's float32 accumulation, in another order). Without tp it is dense."""
+    if cfg.tp_axis is None:
+        return dense(x, w)
+    y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
+    return lax.psum(y, cfg.tp_axis).astype(x.dtype)
+
+
+def mlp_block(cfg: Config, p: MlpParams, x):
     gate, up = jnp.split(dense(x, p.gate_up), 2, axis=-1)        # one GEMM over [gate | up]
-    return dense(jax.nn.silu(gate) * up, p.down_proj)
+    return row_parallel(cfg, jax.nn.silu(gate) * up, p.down_proj)
 
 
 def rope_cos_sin(cfg: Config, positions, dtype):
@@ -347,7 +357,7 @@ def attention_block(cfg: Config, p: AttnParams, x, kv, seg: Segment, cos, sin,
     k = apply_rope(rmsnorm_1p(k, p.k_norm, cfg.rms_norm_eps), cos, sin, cfg.rotary_dim)
     o, kv = kv_attend(kv, q, k, v, seg, hd ** -0.5, kernels)
     o = o.reshape(B, T, nq * hd) * jax.nn.sigmoid(gate.reshape(B, T, nq * hd))
-    return dense(o, p.o_proj), kv
+    return row_parallel(cfg, o, p.o_proj), kv
 
 
 # --------------------------------------------------------------------------------------------
@@ -435,7 +445,7 @@ def gdn_block(cfg: Config, p: GdnParams, x, c: GdnCache, n_pend, seg: Segment, m
             pend_g=jnp.pad(g, padT + [(0, 0)]), pend_beta=jnp.pad(beta, padT + [(0, 0)]))
 
     y = gated_rmsnorm(o.astype(x.dtype), z, p.norm, cfg.rms_norm_eps)
-    return dense(y.reshape(B, T, nv * dv), p.out_proj), put_slots(c, seg.lane0, new)
+    return row_parallel(cfg, y.reshape(B, T, nv * dv), p.out_proj), put_slots(c, seg.lane0, new)
 
 
 # --------------------------------------------------------------------------------------------
@@ -446,7 +456,7 @@ def full_layer(cfg, p: FullLayer, h, kv, seg, cos, sin, kernels="reference"):
     x, kv = attention_block(cfg, p.attn, rmsnorm_1p(h, p.input_layernorm, cfg.rms_norm_eps),
                             kv, seg, cos, sin, kernels)
     h = h + x
-    h = h + mlp_block(p.mlp, rmsnorm_1p(h, p.post_attention_layernorm, cfg.rms_norm_eps))
+    h = h + mlp_block(cfg, p.mlp, rmsnorm_1p(h, p.post_attention_layernorm, cfg.rms_norm_eps))
     return h, kv
 
 
@@ -454,7 +464,7 @@ def linear_layer(cfg, p: LinearLayer, h, c, n_pend, seg, mode, kernels):
     x, c = gdn_block(cfg, p.gdn, rmsnorm_1p(h, p.input_layernorm, cfg.rms_norm_eps),
                      c, n_pend, seg, mode, kernels)
     h = h + x
-    h = h + mlp_block(p.mlp, rmsnorm_1p(h, p.post_attention_layernorm, cfg.rms_norm_eps))
+    h = h + mlp_block(cfg, p.mlp, rmsnorm_1p(h, p.post_attention_layernorm, cfg.rms_norm_eps))
     return h, c
 
 
@@ -467,7 +477,7 @@ def forward(cfg: Config, params: Params, cache: Cache, tokens, seg: Segment, mod
     speculative engine lowers to accepted + 1 once it knows) or none are ("chunk").
     """
     B = tokens.shape[0]
-    h = params.embed[tokens]                                       # [B, T, H]
+    h = embed_tokens(cfg, params, tokens)                          # [B, T, H]
     positions = seg.start[:, None] + jnp.arange(tokens.shape[1])[None, :]
     cos, sin = rope_cos_sin(cfg, positions, params.embed.dtype)
     n_pend = take_slots(cache.n_pend, seg.lane0, B)
@@ -485,10 +495,50 @@ def forward(cfg: Config, params: Params, cache: Cache, tokens, seg: Segment, mod
     return h, cache
 
 
+def embed_tokens(cfg: Config, params: Params, tokens):
+    """tokens [...] -> embeddings [..., H]. Under tensor parallelism each shard holds a block
+    of vocabulary rows: it looks up the tokens in its block (zeros elsewhere) and an
+    all-reduce assembles them (exact: one nonzero term per token)."""
+    if cfg.tp_axis is None:
+        return params.embed[tokens]
+    rows = params.embed.shape[0]
+    local = tokens - lax.axis_index(cfg.tp_axis) * rows
+    mine = (local >= 0) & (local < rows)
+    h = jnp.where(mine[..., None], params.embed[jnp.clip(local, 0, rows - 1)], 0)
+    return lax.psum(h, cfg.tp_axis)
+
+
 def lm_head(params: Params, h):
-    """Post-norm hidden [..., H] -> float32 logits [..., V] (tied heads read the embedding)."""
+    """Post-norm hidden [..., H] -> float32 logits [..., V] (tied heads read the embedding).
+    Under tensor parallelism: this shard's block of the (padded) vocabulary."""
     w = params.embed if params.lm_head is None else params.lm_head
     return jnp.einsum("...i,vi->...v", h, w, preferred_element_type=jnp.float32)
+
+
+def full_logits(cfg: Config, params: Params, h):
+    """float32 logits [..., V] over the whole vocabulary on every shard: under tensor
+    parallelism the vocabulary blocks are all-gathered (what the sampler needs)."""
+    logits = lm_head(params, h)
+    if cfg.tp_axis is None:
+        return logits
+    return lax.all_gather(logits, cfg.tp_axis, axis=logits.ndim - 1,
+                          tiled=True)[..., :cfg.vocab_size]
+
+
+def argmax_tokens(cfg: Config, params: Params, h):
+    """Greedy token i32[...] = first argmax of the logits. Under tensor parallelism without
+    gathering the logits: each shard's max and first argmax of its block, all-gathered
+    ([tp, ...] pairs), then the first shard holding the global max."""
+    logits = lm_head(params, h)
+    if cfg.tp_axis is None:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    rows = logits.shape[-1]
+    first = lax.axis_index(cfg.tp_axis) * rows
+    logits = jnp.where(first + jnp.arange(rows) < cfg.vocab_size, logits, -jnp.inf)  # padding
+    best = lax.all_gather(jnp.max(logits, axis=-1), cfg.tp_axis)                  # [tp, ...]
+    where = lax.all_gather(jnp.argmax(logits, axis=-1).astype(jnp.int32) + first, cfg.tp_axis)
+    shard = jnp.argmax(best, axis=0)
+    return jnp.take_along_axis(where, shard[None], axis=0)[0].astype(jnp.int32)
 
 
 def mtp_forward(cfg: Config, params: Params, cache: Cache, h_prev, next_tokens, seg: Segment,
@@ -502,7 +552,7 @@ def mtp_forward(cfg: Config, params: Params, cache: Cache, h_prev, next_tokens, 
     """
     m = params.mtp
     eps = cfg.rms_norm_eps
-    e = rmsnorm_1p(params.embed[next_tokens], m.pre_fc_norm_embedding, eps)
+    e = rmsnorm_1p(embed_tokens(cfg, params, next_tokens), m.pre_fc_norm_embedding, eps)
     hh = rmsnorm_1p(h_prev.astype(e.dtype), m.pre_fc_norm_hidden, eps)
     x = dense(jnp.concatenate([e, hh], axis=-1), m.fc)
     positions = seg.start[:, None] + jnp.arange(next_tokens.shape[1])[None, :]

@@ -48,7 +48,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from jax.sharding import PartitionSpec as P
+
 from mtpjax import model, sampling
+from mtpjax import tensor_parallel as tp
 from mtpjax.config import Config
 from mtpjax.model import Cache, Segment
 from mtpjax.params import Params
@@ -69,10 +72,6 @@ class LaneState:
         return LaneState(z(lanes), z(lanes), z(lanes, k))
 
 
-def _argmax_tokens(params, h):
-    return jnp.argmax(model.lm_head(params, h), axis=-1).astype(jnp.int32)
-
-
 def draft_chain(cfg: Config, params: Params, cache: Cache, h_mtp, d1, pos, live, table,
                 k: int, kernels: str):
     """Drafts d_1..d_k: d_1 given, then k-1 chained MTP steps (spec §5.4).
@@ -88,28 +87,47 @@ def draft_chain(cfg: Config, params: Params, cache: Cache, h_mtp, d1, pos, live,
         h3, cache = model.mtp_forward(cfg, params, cache, h[:, None], tok[:, None],
                                       Segment(pos + s, ones, table), kernels)
         h = h3[:, 0]
-        tok = _argmax_tokens(params, h)
+        tok = model.argmax_tokens(cfg, params, h)
         drafts.append(tok)
     return jnp.stack(drafts, axis=1), cache
 
 
-@partial(jax.jit, donate_argnames=("cache", "state"))
-def move_lane(cache: Cache, state: LaneState, src, dst):
+@partial(jax.jit, static_argnames=("mesh",), donate_argnames=("cache", "state"))
+def move_lane(cache: Cache, state: LaneState, src, dst, *, mesh=None):
     """Copy lane slot src's GDN state, pending count and LaneState row to slot dst (i32
     scalars); the engine's lane compaction. In place on the donated cache: one lane's state
     is read and written (144 MiB for 27B), the KV pool is untouched (pages move by table)."""
-    def mv(a):
-        return lax.dynamic_update_slice_in_dim(a, lax.dynamic_slice_in_dim(a, src, 1), dst, 0)
-    layers = tuple(jax.tree.map(mv, c) if isinstance(c, model.GdnCache) else c
-                   for c in cache.layers)
-    cache = dataclasses.replace(cache, layers=layers, n_pend=mv(cache.n_pend))
-    return cache, jax.tree.map(mv, state)
+    def body(cache, state, src, dst):
+        def mv(a):
+            return lax.dynamic_update_slice_in_dim(a, lax.dynamic_slice_in_dim(a, src, 1), dst, 0)
+        layers = tuple(jax.tree.map(mv, c) if isinstance(c, model.GdnCache) else c
+                       for c in cache.layers)
+        cache = dataclasses.replace(cache, layers=layers, n_pend=mv(cache.n_pend))
+        return cache, jax.tree.map(mv, state)
+    if mesh is None:
+        return body(cache, state, src, dst)
+    cs = tp.cache_specs(cache)
+    return tp.spmd(body, mesh, (cs, P(), P(), P()), (cs, P()))(cache, state, src, dst)
 
 
-@partial(jax.jit, static_argnames=("cfg", "k", "kernels"), donate_argnames=("cache", "state"))
+def _on_mesh(body, cfg: Config, mesh, params, cache, args, n_out: int):
+    """Run body(cfg, params, cache, state, *rest) as is (mesh None) or under shard_map with
+    the per-shard config: weights and caches by their tensor-parallel specs, the rest (lane
+    state, sampling settings, page tables) replicated; outputs: cache sharded, rest replicated."""
+    if mesh is None:
+        return body(cfg, params, cache, *args)
+    n = tp.mesh_tp(mesh)
+    cs = tp.cache_specs(cache)
+    f = tp.spmd(partial(body, tp.shard_config(cfg, n)), mesh,
+                (tp.param_specs(cfg, n), cs) + (P(),) * len(args), (cs,) + (P(),) * (n_out - 1))
+    return f(params, cache, *args)
+
+
+@partial(jax.jit, static_argnames=("cfg", "k", "kernels", "mesh"),
+         donate_argnames=("cache", "state"))
 def prefill_chunk(cfg: Config, params: Params, cache: Cache, state: LaneState,
                   lanes: sampling.LaneSampling, lane, tokens, next_tokens, start, n_valid,
-                  is_last, page_table, *, k: int, kernels: str):
+                  is_last, page_table, *, k: int, kernels: str, mesh=None):
     """Prefill one chunk of one lane's prompt.
 
     tokens, next_tokens: i32[1, Tc] (next_tokens[t] = prompt[start + t + 1]; its entry at
@@ -119,20 +137,30 @@ def prefill_chunk(cfg: Config, params: Params, cache: Cache, state: LaneState,
     sequence: the lane's GDN state and conv history are read as zeros (model.gdn_block).
     Pages must cover positions [0, start + n_valid + (k - 1 on the last chunk)).
     Returns (cache, state, first_token i32[]), first_token meaningful on the last chunk.
+    mesh: a tensor-parallel mesh (tensor_parallel.py) with params and cache laid out on it,
+    or None (one device).
     """
+    return _on_mesh(partial(_prefill_body, k=k, kernels=kernels), cfg, mesh, params, cache,
+                    (state, lanes, lane, tokens, next_tokens, start, n_valid, is_last,
+                     page_table), 3)
+
+
+def _prefill_body(cfg: Config, params: Params, cache: Cache, state: LaneState, lanes, lane,
+                  tokens, next_tokens, start, n_valid, is_last, page_table, *, k: int,
+                  kernels: str):
     seg = Segment(start[None], n_valid[None], page_table, lane)
     h, cache = model.forward(cfg, params, cache, tokens, seg, "chunk", kernels)
     last = n_valid - 1
     h_last = lax.dynamic_index_in_dim(h, last, axis=1, keepdims=False)     # [1, H]
     lane_s = jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, lane, 1), lanes)
-    first = sampling.sample(model.lm_head(params, h_last), lane_s, (start + n_valid)[None])
+    first = sampling.sample(model.full_logits(cfg, params, h_last), lane_s, (start + n_valid)[None])
 
     if k > 0:
         nt = jnp.where(is_last & (jnp.arange(tokens.shape[1]) == last)[None], first[:, None],
                        next_tokens)
         h_mtp, cache = model.mtp_forward(cfg, params, cache, h, nt, seg, kernels)
         hm_last = lax.dynamic_index_in_dim(h_mtp, last, axis=1, keepdims=False)
-        d1 = _argmax_tokens(params, hm_last)
+        d1 = model.argmax_tokens(cfg, params, hm_last)
         drafts, cache = draft_chain(cfg, params, cache, hm_last, d1, start[None] + last,
                                     jnp.ones((1,), bool), page_table, k, kernels)
     else:
@@ -145,9 +173,11 @@ def prefill_chunk(cfg: Config, params: Params, cache: Cache, state: LaneState,
     return cache, state, first[0]
 
 
-@partial(jax.jit, static_argnames=("cfg", "k", "kernels"), donate_argnames=("cache", "state"))
+@partial(jax.jit, static_argnames=("cfg", "k", "kernels", "mesh"),
+         donate_argnames=("cache", "state"))
 def decode_step(cfg: Config, params: Params, cache: Cache, state: LaneState,
-                lanes: sampling.LaneSampling, active, page_table, *, k: int, kernels: str):
+                lanes: sampling.LaneSampling, active, page_table, *, k: int, kernels: str,
+                mesh=None):
     """One decode (k = 0) or draft-verify-accept-rollback-redraft step for lanes 0..B-1.
 
     k: drafts verified this step, K (= state.drafts.shape[1], what the cache is sized for) or 0.
@@ -156,7 +186,14 @@ def decode_step(cfg: Config, params: Params, cache: Cache, state: LaneState,
     slots >= B are untouched. An active lane at position P needs pages for positions
     [0, kv_pool.tokens_touched_decode(P, k, K)).
     Returns (cache, state, tokens i32[B, k+1] (-1 past the emitted ones), n_accepted i32[B]).
+    mesh: as in prefill_chunk.
     """
+    return _on_mesh(partial(_decode_body, k=k, kernels=kernels), cfg, mesh, params, cache,
+                    (state, lanes, active, page_table), 4)
+
+
+def _decode_body(cfg: Config, params: Params, cache: Cache, state: LaneState, lanes, active,
+                 page_table, *, k: int, kernels: str):
     B = active.shape[0]
     K = state.drafts.shape[1]
     if k not in (0, K):
@@ -173,7 +210,7 @@ def decode_step(cfg: Config, params: Params, cache: Cache, state: LaneState,
     n_in = jnp.where(active, k + 1, 0).astype(jnp.int32)
     h, cache = model.forward(cfg, params, cache, tokens, Segment(state.pos, n_in, page_table),
                              "step", kernels)
-    logits = model.lm_head(params, h)                                            # [B, k+1, V]
+    logits = model.full_logits(cfg, params, h)                                   # [B, k+1, V]
     n_acc, out = sampling.verify(logits, drafts_in, lanes, state.pos + 1)
     n_acc = jnp.where(active, n_acc, 0)
     cache = dataclasses.replace(cache, n_pend=model.put_slots(
@@ -188,7 +225,7 @@ def decode_step(cfg: Config, params: Params, cache: Cache, state: LaneState,
             cfg, params, cache, h, nt,
             Segment(state.pos, jnp.where(active, n_acc + 1, 0), page_table), kernels)
         hm_last = h_mtp[rows, n_acc]
-        d1 = _argmax_tokens(params, hm_last)
+        d1 = model.argmax_tokens(cfg, params, hm_last)
         if k > 0:
             drafts, cache = draft_chain(cfg, params, cache, hm_last, d1, state.pos + n_acc,
                                         active, page_table, K, kernels)
