@@ -7,8 +7,10 @@ __all__ = ["Config", "ConfigError", "qwen3_5_27b", "forward_logits", "load_check
            "mtp_logits"]
 from mtpjax.engine import Engine, RequestOutput, RequestStats  # noqa: E402
 from mtpjax.sampling import SamplingParams  # noqa: E402
+from mtpjax.data_parallel import DataParallelEngine, make_engine  # noqa: E402
 
-__all__ += ["Engine", "RequestOutput", "RequestStats", "SamplingParams"]
+__all__ += ["Engine", "RequestOutput", "RequestStats", "SamplingParams", "DataParallelEngine",
+            "make_engine"]
 from mtpjax.text import (StreamDecoder, TextEngine, TextOutput, Tokenizer,  # noqa: E402
                          apply_chat_template)
 

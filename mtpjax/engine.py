@@ -118,7 +118,7 @@ class Engine:
             raise ValueError(f"the Triton paged-attention kernel needs a power-of-two "
                              f"page_size, got {page_size}")
         if mesh is None:
-            mesh = tensor_parallel.make_meshes(tp, 1, devices)[0] if (tp > 1 or devices) else None
+            mesh = tensor_parallel.make_meshes(tp, 1, devices)[0]
             params = tensor_parallel.place_params(cfg, params, mesh)
         elif tp not in (1, tensor_parallel.mesh_tp(mesh)):
             raise ValueError(f"tp={tp} but the given mesh has {tensor_parallel.mesh_tp(mesh)} "

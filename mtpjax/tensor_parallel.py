@@ -267,21 +267,22 @@ def spmd(fn, mesh: Mesh, in_specs, out_specs):
 # --------------------------------------------------------------------------------------------
 
 def make_meshes(tp: int, dp: int, devices: Sequence | None = None) -> list[Mesh | None]:
-    """dp meshes of tp devices each (None for tp = 1 on one device: the one-device programs).
+    """dp meshes of tp devices each ([None] for tp = dp = 1 on the default device: the
+    one-device programs, no shard_map).
 
     Devices are taken in order: replica r uses devices[r*tp:(r+1)*tp] (on a GPU host, keep a
     replica's devices on one NVLink island by ordering `devices`)."""
     for name, v in (("tp", tp), ("dp", dp)):
         if not isinstance(v, int) or v < 1:
             raise ShardingError(f"{name} must be a positive integer, got {v!r}")
+    explicit = devices is not None
     devices = list(jax.devices() if devices is None else devices)
     if tp * dp > len(devices):
         raise ShardingError(f"tp={tp} x dp={dp} needs {tp * dp} devices, JAX sees "
                             f"{len(devices)} ({devices[0].platform}); on CPU set XLA_FLAGS="
                             f"--xla_force_host_platform_device_count={tp * dp} before JAX starts")
-    if tp == 1:
-        return [None if dp == 1 else Mesh(np.array(devices[r:r + 1]), (TP_AXIS,))
-                for r in range(dp)]
+    if tp == 1 and dp == 1 and not explicit:
+        return [None]
     return [Mesh(np.array(devices[r * tp:(r + 1) * tp]), (TP_AXIS,)) for r in range(dp)]
 
 

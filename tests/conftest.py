@@ -23,6 +23,13 @@ if REQUESTED not in PLATFORMS:
                             f"{', '.join(PLATFORMS)}")
 if PLATFORMS[REQUESTED]:
     os.environ.setdefault("JAX_PLATFORMS", PLATFORMS[REQUESTED])
+# Eight host devices for the tensor / data parallel tests (tests/test_mesh.py); the other tests
+# run on the first. Only for the CPU platform, before JAX starts.
+CPU_DEVICES = 8
+if os.environ.get("JAX_PLATFORMS") == "cpu" and "host_platform_device_count" not in \
+        os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               f" --xla_force_host_platform_device_count={CPU_DEVICES}").strip()
 sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
