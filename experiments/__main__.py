@@ -80,6 +80,9 @@ def main_entry():
         if cmd in CACHE_OFF_BY_DEFAULT and not FLAGS["compilation_cache"].present:
             enabled = False
         counts = configure_compilation_cache(enabled, cache_dir(FLAGS.compilation_cache_dir))
+        from experiments import mesh_flags
+        if mesh_flags.defined():
+            mesh_flags.setup()
         try:
             return module.main(argv)
         finally:

@@ -22,7 +22,10 @@ import time
 
 from absl import flags
 
+from experiments import mesh_flags
+
 FLAGS = flags.FLAGS
+mesh_flags.define()
 flags.DEFINE_string("checkpoint", "checkpoints/tiny", "checkpoint folder (HF safetensors or "
                     "converted) with tokenizer.json")
 flags.DEFINE_string("prompt", "def fibonacci(n):", "prompt text (the user message with --chat)")
@@ -75,14 +78,16 @@ def main(argv):
         raise SystemExit("the prompt encodes to no tokens")
 
     t0 = time.perf_counter()
-    cfg, params = mtpjax.load_checkpoint(path, FLAGS.dtype)
+    cfg = mtpjax.Config.from_pretrained(path)
     max_seq_len = FLAGS.max_seq_len or len(prompt_ids) + FLAGS.max_new_tokens + 1
     max_seq_len = max(2, min(max_seq_len, cfg.max_position_embeddings))
-    engine = mtpjax.Engine(cfg, params, num_speculative_tokens=FLAGS.num_speculative_tokens,
-                           max_lanes=1, max_seq_len=max_seq_len, kernels=FLAGS.kernels)
+    engine = mtpjax.Engine.from_checkpoint(
+        path, FLAGS.dtype, FLAGS.num_speculative_tokens, tp=FLAGS.tp, dp=FLAGS.dp, max_lanes=1,
+        max_seq_len=max_seq_len, kernels=FLAGS.kernels)
     text_engine = TextEngine(engine, tok, skip_special_tokens=FLAGS.skip_special_tokens)
     print(f"[load] {path}: {cfg.num_layers} layers, vocab {cfg.vocab_size}, "
-          f"{FLAGS.dtype}, k={engine.k}, kernels={engine.kernels}, prompt {len(prompt_ids)} "
+          f"{FLAGS.dtype}, k={engine.k}, kernels={engine.kernels}, tp={FLAGS.tp}, "
+          f"dp={FLAGS.dp}, prompt {len(prompt_ids)} "
           f"tokens, {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
 
     sp = SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,

@@ -18,28 +18,12 @@ import pytest
 import mtpjax
 from mtpjax import steps
 from mtpjax import tensor_parallel as tpar
-from mtpjax.config import Config
 from mtpjax.engine import Engine
 from mtpjax.params import get_path, init_params, leaf_shapes
 from mtpjax.sampling import LaneSampling, SamplingParams
+from tiny_models import TP_CFG, TP_PARAMS
 
-# 8 q heads, 2 KV heads (replicated for tp 4, 8), 2 GDN key heads (replicated for tp 4, 8),
-# 8 GDN value heads, intermediate 48, and a vocabulary of 13 that no tp divides (padding).
-TP_CFG = Config(
-    vocab_size=13, hidden_size=32, intermediate_size=48,
-    layer_types=("linear_attention", "linear_attention", "full_attention"),
-    num_attention_heads=8, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
-    partial_rotary_factor=0.5, linear_num_key_heads=2, linear_num_value_heads=8,
-    linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-    tie_word_embeddings=False, mtp_num_hidden_layers=1)
-TP_PARAMS = init_params(TP_CFG, jax.random.key(7), "float32", scale=0.3)
-
-PROMPTS = [[1, 2, 3, 4, 5], [3, 4, 5, 6, 7, 8, 9, 10, 11], [7, 7, 7], [12, 0, 5, 9]]
-SAMPLING = [SamplingParams(max_new_tokens=14),
-            SamplingParams(max_new_tokens=14, temperature=1.0, seed=3),
-            SamplingParams(max_new_tokens=14, temperature=0.8, top_k=5, top_p=0.9, seed=11),
-            SamplingParams(max_new_tokens=14, temperature=1.3, top_p=0.7, seed=5)]
-ENGINE_KW = dict(max_lanes=2, max_seq_len=64, prefill_chunk=16, prefill_buckets=[16])
+from tiny_models import TP_ENGINE_KW as ENGINE_KW, TP_PROMPTS as PROMPTS, TP_SAMPLING as SAMPLING
 _REF: dict[int, list] = {}
 
 

@@ -8,6 +8,7 @@ import jax
 
 from mtpjax.config import Config
 from mtpjax.params import init_params
+from mtpjax.sampling import SamplingParams
 
 VOCAB11_CFG = Config(
     vocab_size=11, hidden_size=32, intermediate_size=40,
@@ -17,3 +18,21 @@ VOCAB11_CFG = Config(
     linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
     tie_word_embeddings=False, mtp_num_hidden_layers=1)
 VOCAB11_PARAMS = init_params(VOCAB11_CFG, jax.random.key(1), "float32", scale=0.3)
+
+# For tensor parallelism (tests/test_mesh.py, tests/test_multihost.py): 8 q heads, 2 KV heads
+# (replicated for tp 4, 8), 2 GDN key heads (replicated for tp 4, 8), 8 GDN value heads,
+# intermediate 48, and a vocabulary of 13 that no tp divides (padding).
+TP_CFG = Config(
+    vocab_size=13, hidden_size=32, intermediate_size=48,
+    layer_types=("linear_attention", "linear_attention", "full_attention"),
+    num_attention_heads=8, num_key_value_heads=2, head_dim=16, rope_theta=10000.0,
+    partial_rotary_factor=0.5, linear_num_key_heads=2, linear_num_value_heads=8,
+    linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+    tie_word_embeddings=False, mtp_num_hidden_layers=1)
+TP_PARAMS = init_params(TP_CFG, jax.random.key(7), "float32", scale=0.3)
+TP_PROMPTS = [[1, 2, 3, 4, 5], [3, 4, 5, 6, 7, 8, 9, 10, 11], [7, 7, 7], [12, 0, 5, 9]]
+TP_SAMPLING = [SamplingParams(max_new_tokens=14),
+               SamplingParams(max_new_tokens=14, temperature=1.0, seed=3),
+               SamplingParams(max_new_tokens=14, temperature=0.8, top_k=5, top_p=0.9, seed=11),
+               SamplingParams(max_new_tokens=14, temperature=1.3, top_p=0.7, seed=5)]
+TP_ENGINE_KW = dict(max_lanes=2, max_seq_len=64, prefill_chunk=16, prefill_buckets=[16])
