@@ -34,7 +34,10 @@ import sys
 
 from absl import flags
 
+from experiments import mesh_flags
+
 FLAGS = flags.FLAGS
+mesh_flags.define()
 flags.DEFINE_enum("target", "h200", ["h200", "cpu"], "compile for an H200 (deviceless) or "
                   "the host CPU")
 flags.DEFINE_enum("model", "27b", ["27b", "tiny"], "model shapes: Qwen3.5-27B or the bundled "
@@ -85,10 +88,13 @@ def main(argv):
     kernels = FLAGS.kernels
     if kernels == "auto":
         kernels = "pallas" if FLAGS.target == "h200" else "reference"
+    from mtpjax import tensor_parallel
+    tensor_parallel.check_tp(cfg, FLAGS.tp)
+    mesh = aot_programs.target_mesh(FLAGS.target, FLAGS.tp)
     progs = aot_programs.build_programs(
         cfg, lanes=FLAGS.lanes, max_seq_len=FLAGS.max_seq_len, K=FLAGS.num_speculative_tokens,
         kernels=kernels, dtype=FLAGS.dtype, page_size=FLAGS.page_size,
-        prefill_chunk=FLAGS.prefill_chunk)
+        prefill_chunk=FLAGS.prefill_chunk, mesh=mesh)
     if FLAGS.programs:
         unknown = set(FLAGS.programs) - {p.name for p in progs}
         if unknown:
@@ -105,7 +111,12 @@ def main(argv):
         "num_speculative_tokens": FLAGS.num_speculative_tokens, "kernels": kernels,
         "dtype": FLAGS.dtype, "page_size": FLAGS.page_size,
         "prefill_chunk": FLAGS.prefill_chunk, "min_bytes": FLAGS.min_mb * 1_000_000,
-        "hbm_bytes_per_s": FLAGS.hbm_gbps * GB, "programs": {},
+        "hbm_bytes_per_s": FLAGS.hbm_gbps * GB, "tp": FLAGS.tp, "dp": FLAGS.dp,
+        "devices": FLAGS.tp * FLAGS.dp,
+        "memory_per_device": tensor_parallel.memory_per_device(
+            cfg, FLAGS.tp, FLAGS.dtype, lanes=FLAGS.lanes, max_seq_len=FLAGS.max_seq_len,
+            page_size=FLAGS.page_size, K=FLAGS.num_speculative_tokens),
+        "programs": {},
     }
     rows = []
     for p in progs:
@@ -118,10 +129,22 @@ def main(argv):
         rows.append(r)
         with open(os.path.join(FLAGS.out_dir, "aot.json"), "w") as f:   # partial results too
             json.dump(doc, f, indent=1)
+    per = " per device" if FLAGS.tp > 1 else ""
     print(f"\n{FLAGS.model} {FLAGS.dtype} {kernels} on {FLAGS.target}: lanes={FLAGS.lanes} "
-          f"max_seq_len={FLAGS.max_seq_len} K={FLAGS.num_speculative_tokens} "
-          f"(GB = 1e9 bytes per program run)")
+          f"max_seq_len={FLAGS.max_seq_len} K={FLAGS.num_speculative_tokens} tp={FLAGS.tp} "
+          f"dp={FLAGS.dp} (GB = 1e9 bytes{per} per program run; dp replicas run the same "
+          f"programs on their own devices)")
     print(_table(rows))
+    for r in rows:
+        if r["collectives"]:
+            col = ", ".join(f"{op} x{c['count']} ({c['bytes'] / 1e6:.2f} MB)"
+                            for op, c in r["collectives"].items())
+            print(f"  {r['program']} collectives per device: {col}")
+    m = doc["memory_per_device"]
+    print(f"  memory per device: weights {m['weights_bytes'] / GB:.2f} GB, GDN state "
+          f"{m['gdn_state_bytes'] / GB:.3f} GB, KV {m['kv_bytes_per_token'] / 1e3:.1f} kB per "
+          f"token ({m['kv_page_bytes'] / 1e6:.2f} MB per page); loader peak host "
+          f"{m['loader_peak_host_bytes'] / GB:.2f} GB")
     for r in rows:
         top = r["audit"]["top_offenders"][:3]
         for t in top:

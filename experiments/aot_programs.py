@@ -25,10 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import hlo_audit
-from mtpjax import model, sampling, steps
+from mtpjax import model, sampling, steps, tensor_parallel
 from mtpjax.config import Config
 from mtpjax.kv_pool import pages_for
-from mtpjax.params import abstract_params, hf_tensor_map, leaf_dtype
+from mtpjax.params import abstract_params, hf_tensor_map, leaf_dtype, leaf_shapes
 
 TARGET_CONFIG = os.path.join(os.path.dirname(__file__), "data", "h200_target_config.txtpb")
 WEIGHT, CACHE, OTHER = "weight", "cache", "other"
@@ -72,6 +72,7 @@ class Program:
     arg_kinds: tuple
     reads: Reads
     dtype: str          # the weights' dtype (prices the floor's weight bytes)
+    mesh: Any = None    # a tensor-parallel mesh: args carry their shardings, floors are per device
 
 
 def _sds(shape, dtype):
@@ -80,20 +81,31 @@ def _sds(shape, dtype):
 
 def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels: str,
                    dtype: str = "bfloat16", page_size: int = 16,
-                   prefill_chunk: int = 64) -> list[Program]:
+                   prefill_chunk: int = 64, mesh=None) -> list[Program]:
     """The engine's programs for an engine of `lanes` lanes drafting K tokens.
 
     decode_k0 and decode_k{K}: steps.decode_step verifying 0 and K drafts (one program when
     K = 0); prefill_t{T}: steps.prefill_chunk over one chunk of T tokens (the engine's largest
     bucket); draft: one chained MTP step (steps.draft_chain with k = 2), the unit of the draft
     path (K >= 1 only). The KV pool holds every lane at full context, as the engine's default.
+    mesh: a tensor-parallel mesh (of topology devices): weights and caches in their
+    tensor-parallel layout and shardings, everything else replicated; the programs run under
+    shard_map and their floors count one device's share.
     """
     B, P = lanes, K + 1
     pages_per_lane = pages_for(max_seq_len + 2 * K, page_size)      # as Engine.__init__
     num_pages = B * pages_per_lane
-    params = abstract_params(cfg, dtype)
-    cache = jax.eval_shape(partial(model.init_paged_cache, cfg, B, num_pages, page_size, P,
-                                   dtype))
+    local = tensor_parallel.shard_config(cfg, tensor_parallel.mesh_tp(mesh))
+    local_cache = jax.eval_shape(partial(model.init_paged_cache, local, B, num_pages, page_size,
+                                         P, dtype))
+    if mesh is None:
+        params = abstract_params(cfg, dtype)
+        cache = local_cache
+    else:
+        params = tensor_parallel.sharded_abstract_params(cfg, mesh, dtype)
+        cache = _sharded(jax.eval_shape(partial(tensor_parallel.init_paged_cache, cfg, mesh, B,
+                                                num_pages, page_size, P, dtype)),
+                         tensor_parallel.cache_specs(local_cache), mesh)
     state = jax.eval_shape(partial(steps.LaneState.empty, B, K))
     i32, f32 = jnp.int32, jnp.float32
     lane_sampling = sampling.LaneSampling(temperature=_sds((B,), f32), top_k=_sds((B,), i32),
@@ -101,10 +113,14 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
     active = _sds((B,), jnp.bool_)
     table = _sds((B, pages_per_lane), i32)
     kw = dict(kernels=kernels)
+    if mesh is not None:
+        kw["mesh"] = mesh
+        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        state, lane_sampling, active, table = _place((state, lane_sampling, active, table), rep)
     mtp = 1 if K > 0 else 0
-    price = dict(kv_token_bytes=2 * cfg.num_key_value_heads * cfg.head_dim
-                 * jnp.dtype(cache.kv[0].k.dtype).itemsize,
-                 gdn_lane_bytes=_nbytes(cache.gdn) // B)
+    price = dict(kv_token_bytes=2 * local.num_key_value_heads * cfg.head_dim
+                 * jnp.dtype(local_cache.kv[0].k.dtype).itemsize,
+                 gdn_lane_bytes=_nbytes(local_cache.gdn) // B)     # one device's share
     progs = []
     for k in sorted({0, K}):
         chain = (K - 1) if k > 0 else 0
@@ -112,18 +128,24 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
             f"decode_k{k}", steps.decode_step,
             (cfg, params, cache, state, lane_sampling, active, table), dict(k=k, **kw),
             (None, WEIGHT, CACHE, OTHER, OTHER, OTHER, OTHER),
-            Reads(1, mtp * (1 + chain), mtp * (1 + chain), B, max_seq_len, B, **price), dtype))
+            Reads(1, mtp * (1 + chain), mtp * (1 + chain), B, max_seq_len, B, **price), dtype,
+            mesh))
     T = prefill_chunk
     scalar = lambda dt: _sds((), dt)
+    if mesh is not None:
+        scalar = lambda dt: _place(_sds((), dt), rep)
+        one = lambda shape: _place(_sds(shape, i32), rep)
+    else:
+        one = lambda shape: _sds(shape, i32)
     progs.append(Program(
         f"prefill_t{T}", steps.prefill_chunk,
-        (cfg, params, cache, state, lane_sampling, scalar(i32), _sds((1, T), i32),
-         _sds((1, T), i32), scalar(i32), scalar(i32), scalar(jnp.bool_),
-         _sds((1, pages_per_lane), i32)),
+        (cfg, params, cache, state, lane_sampling, scalar(i32), one((1, T)),
+         one((1, T)), scalar(i32), scalar(i32), scalar(jnp.bool_),
+         one((1, pages_per_lane))),
         dict(k=K, **kw),
         (None, WEIGHT, CACHE, OTHER, OTHER, OTHER, OTHER, OTHER, OTHER, OTHER, OTHER, OTHER),
-        Reads(1, mtp * K, 1 + mtp * K, 1, max_seq_len, 1, **price), dtype))
-    if K > 0:
+        Reads(1, mtp * K, 1 + mtp * K, 1, max_seq_len, 1, **price), dtype, mesh))
+    if K > 0 and mesh is None:   # the draft chain alone: one-device programs only
         progs.append(Program(
             "draft", _draft_chain,
             (cfg, params, cache, _sds((B, cfg.hidden_size), dtype), _sds((B,), i32),
@@ -144,15 +166,27 @@ _draft_chain = jax.jit(steps.draft_chain, static_argnames=("cfg", "k", "kernels"
 # Floors
 # ---------------------------------------------------------------------------------------------
 
+def _sharded(tree, specs, mesh):
+    """ShapeDtypeStructs of `tree` with NamedShardings from a matching tree of specs."""
+    return jax.tree.map(
+        lambda a, sp: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                           sharding=jax.sharding.NamedSharding(mesh, sp)),
+        tree, specs, is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+
+
 def _nbytes(tree) -> int:
     return int(sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
                    for x in jax.tree.leaves(tree)))
 
 
-def weight_bytes(cfg: Config, dtype: str) -> dict[str, int]:
+def weight_bytes(cfg: Config, dtype: str, tp: int = 1) -> dict[str, int]:
     """Checkpoint tensor bytes by role, from the HF tensor map (independent of how Params
     lays them out): target (every text weight but the embedding table; lm_head included, the
-    embedding when tied), mtp (the MTP head), lm_head."""
+    embedding when tied), mtp (the MTP head), lm_head. tp > 1: one device's bytes under the
+    tensor-parallel layout (a sharded leaf's share, padding and replicated heads included; a
+    replicated leaf whole)."""
+    if tp > 1:
+        return _weight_bytes_per_device(cfg, dtype, tp)
     out = {"target": 0, "mtp": 0, "lm_head": 0}
     for spec in hf_tensor_map(cfg):
         n = int(np.prod(spec.shape)) * leaf_dtype(spec.path, dtype).itemsize
@@ -169,6 +203,26 @@ def weight_bytes(cfg: Config, dtype: str) -> dict[str, int]:
     return out
 
 
+def _weight_bytes_per_device(cfg: Config, dtype: str, tp: int) -> dict[str, int]:
+    out = {"target": 0, "mtp": 0, "lm_head": 0}
+    for path, shape in leaf_shapes(cfg).items():
+        lay = tensor_parallel.layout_index(cfg, tp, path)
+        n = int(np.prod(shape)) * leaf_dtype(path, dtype).itemsize
+        if lay is not None:
+            n = n * len(lay[1]) // shape[lay[0]] // tp
+        if path[0] == "mtp":
+            out["mtp"] += n
+        elif path == ("embed",):
+            if cfg.tie_word_embeddings:
+                out["target"] += n
+                out["lm_head"] += n
+        else:
+            out["target"] += n
+            if path == ("lm_head",):
+                out["lm_head"] += n
+    return out
+
+
 def floor_terms(prog: Program) -> dict[str, float]:
     """Bytes a program must move at least: its `Reads`, priced.
 
@@ -178,11 +232,13 @@ def floor_terms(prog: Program) -> dict[str, float]:
     lm_head bytes per extra read.
     """
     cfg, r = prog.args[0], prog.reads
-    w = weight_bytes(cfg, prog.dtype)
+    tp = tensor_parallel.mesh_tp(prog.mesh)
+    w = weight_bytes(cfg, prog.dtype, tp)
+    local = tensor_parallel.shard_config(cfg, tp)
     return {
         "weights": float(r.target_passes * w["target"] + r.mtp_passes * w["mtp"]),
         "kv_read": float(r.lanes * r.context * r.kv_token_bytes
-                         * (r.target_passes * cfg.num_full_layers + r.mtp_passes)),
+                         * (r.target_passes * local.num_full_layers + r.mtp_passes)),
         "gdn_state_rw": float(2 * r.gdn_lanes * r.gdn_lane_bytes),
         "lm_head_extra": float(r.lm_head_extra * w["lm_head"]),
     }
@@ -194,15 +250,33 @@ def floor_terms(prog: Program) -> dict[str, float]:
 
 def target_device(target: str, target_config: str = TARGET_CONFIG):
     """A device to compile for: the H200 as a deviceless topology device, or the host CPU."""
+    return target_devices(target, 1, target_config)[0]
+
+
+def target_devices(target: str, n: int, target_config: str = TARGET_CONFIG) -> list:
+    """n devices to compile for: n H200s of one host ("1x1xn" deviceless topology from the
+    target config) or n host CPU devices."""
     if target == "cpu":
-        return jax.devices("cpu")[0]
+        devs = jax.devices("cpu")
+        if len(devs) < n:
+            raise ValueError(f"{n} CPU devices needed, JAX sees {len(devs)}")
+        return devs[:n]
     if target != "h200":
         raise ValueError(f"unknown target {target!r} (h200 or cpu)")
     from jax.experimental import topologies
     with open(target_config) as f:
         spec = f.read()
-    topo = topologies.get_topology_desc("h200", "cuda", target_config=spec, topology="1x1x1")
-    return topo.devices[0]
+    topo = topologies.get_topology_desc("h200", "cuda", target_config=spec,
+                                        topology=f"1x1x{n}")
+    return list(topo.devices)[:n]
+
+
+def target_mesh(target: str, tp: int, target_config: str = TARGET_CONFIG):
+    """A tensor-parallel mesh over tp target devices (None for tp = 1)."""
+    if tp == 1:
+        return None
+    return jax.sharding.Mesh(np.array(target_devices(target, tp, target_config)),
+                             (tensor_parallel.TP_AXIS,))
 
 
 def _place(tree, sharding):
@@ -222,9 +296,12 @@ def compile_program(prog: Program, device, *, min_bytes: int = hlo_audit.MB,
 
     Returns a JSON-ready dict (see experiments/aot.py for the fields) plus "hlo" (the text).
     """
-    sh = jax.sharding.SingleDeviceSharding(device)
-    args = tuple(a if kind is None else _place(a, sh) for a, kind in zip(prog.args,
-                                                                          prog.arg_kinds))
+    if prog.mesh is None:
+        sh = jax.sharding.SingleDeviceSharding(device)
+        args = tuple(a if kind is None else _place(a, sh) for a, kind in zip(prog.args,
+                                                                              prog.arg_kinds))
+    else:
+        args = prog.args         # placed on the mesh by build_programs
     t0 = time.perf_counter()
     lowered = prog.fn.lower(*args, **prog.kwargs)
     t1 = time.perf_counter()
@@ -257,13 +334,15 @@ def compile_program(prog: Program, device, *, min_bytes: int = hlo_audit.MB,
     weight_bytes = terms["weights"]
     return {
         "program": prog.name,
-        "static": {k: v for k, v in prog.kwargs.items()},
+        "static": {k: v for k, v in prog.kwargs.items() if k != "mesh"},
         "reads": dataclasses.asdict(prog.reads),
         "lower_s": t1 - t0, "compile_s": t2 - t1,
         "memory": {f: getattr(mem, f + "_size_in_bytes") for f in
                    ("argument", "output", "alias", "temp")} if mem is not None else None,
         "donation": hlo_audit.alias_report(module.aliases, donated, param_names),
         "audit": audit.summary(param_names=param_names),
+        "tp": tensor_parallel.mesh_tp(prog.mesh),
+        "collectives": hlo_audit.collectives(hlo),
         "weight_copy_bytes": audit.by_kind.get("weight", 0),
         "data_movement_over_weights": audit.total / weight_bytes if weight_bytes else None,
         "roofline": roof,

@@ -819,6 +819,31 @@ def audit(hlo_text: str, param_kinds: Mapping[int, str], min_bytes: int = MB) ->
                  total_bytes(moves), by_kind, by_source)
 
 
+COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
+                  "collective-permute", "collective-broadcast")
+
+
+def collectives(hlo_text: str) -> dict[str, dict[str, int]]:
+    """Cross-device collectives a program runs, per kind: executions (times loop trips) and
+    bytes of their per-device results. Async pairs (`all-reduce-start` / `-done`) count once,
+    at the start; collectives wrapped in an `async-start` computation count where they are."""
+    module = parse_module(hlo_text)
+    ctx, _ = schedule_contexts(module)
+    out: dict[str, dict[str, int]] = {}
+    for cname, c in ctx.items():
+        for ins in module.computations[cname].instrs:
+            op = ins.opcode[:-len("-start")] if ins.opcode.endswith("-start") else ins.opcode
+            if op not in COLLECTIVE_OPS:
+                continue
+            result = ins.shape[-1] if ins.opcode.endswith("-start") and ins.is_tuple \
+                else None
+            nbytes = result.nbytes if result is not None else ins.nbytes
+            d = out.setdefault(op, {"count": 0, "bytes": 0})
+            d["count"] += c.multiplier
+            d["bytes"] += c.multiplier * nbytes
+    return out
+
+
 def roofline(*, weights: float, kv_read: float, gdn_state_rw: float, lm_head_extra: float,
              data_movement: float, bytes_per_s: float = H200_BYTES_PER_S) -> dict:
     """The floor a step must move and the audit's estimate of what it does move.

@@ -32,6 +32,7 @@ from absl import flags
 import mtpjax
 from experiments import card as card_lib
 from experiments import judge_gate as gate
+from experiments import mesh_flags
 from mtpjax import model, steps
 from mtpjax.sampling import LaneSampling, SamplingParams
 
@@ -40,6 +41,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_CKPT = os.path.join(os.path.dirname(HERE), "checkpoints", "tiny")
 TEXTS = os.path.join(HERE, "data", "judge_texts.json")
 
+mesh_flags.define()
 flags.DEFINE_string("checkpoint", DEFAULT_CKPT, "checkpoint folder (HF layout or converted)")
 flags.DEFINE_string("out_dir", "runs/judge", "where card.md, card.json and plots go")
 flags.DEFINE_integer("passes", 3, "timed passes per workload")
@@ -101,6 +103,8 @@ class JudgeConfig:
     seed: int = 0
     progress: bool = True
     limits: gate.Limits = gate.Limits()
+    tp: int = 1                 # stock and candidate on the same tp x dp devices
+    dp: int = 1
 
 
 def _from_flags() -> JudgeConfig:
@@ -113,7 +117,7 @@ def _from_flags() -> JudgeConfig:
         busy_fill=f.busy_fill, page_size=f.page_size, prompt_tokens=f.prompt_tokens,
         temperature=f.temperature, sample_temperature=f.sample_temperature,
         gate_prompts=f.gate_prompts, fidelity_tokens=f.fidelity_tokens,
-        fidelity_lanes=f.fidelity_lanes, seed=f.seed, progress=f.progress,
+        fidelity_lanes=f.fidelity_lanes, seed=f.seed, progress=f.progress, tp=f.tp, dp=f.dp,
         limits=gate.Limits(f.greedy_agreement_floor, f.likelihood_bound, f.argmax_bound,
                            f.fidelity_ceiling, f.length_margin, f.memory_slack_mib,
                            f.busy_page_use_floor))
@@ -144,11 +148,13 @@ def _tokenizer(path):
 # ------------------------------------------------------------------------------- engines
 
 def make_engine(cfg, params, jc: JudgeConfig, k: int, lanes: int, num_pages: int | None,
-                max_seq_len: int):
-    """Stock (k = 0) and candidate engines differ only in k: same lanes, pool and kernels."""
-    return mtpjax.Engine(cfg, params, num_speculative_tokens=k, max_lanes=lanes,
-                         max_seq_len=max_seq_len, kernels=jc.kernels, page_size=jc.page_size,
-                         num_pages=num_pages)
+                max_seq_len: int, placed=None):
+    """Stock (k = 0) and candidate engines differ only in k: same lanes, pool, kernels and
+    devices (jc.tp x jc.dp; `placed`: the params already laid out there, shared)."""
+    return mtpjax.make_engine(cfg, params, tp=jc.tp, dp=jc.dp, placed=placed,
+                              num_speculative_tokens=k, max_lanes=lanes,
+                              max_seq_len=max_seq_len, kernels=jc.kernels,
+                              page_size=jc.page_size, num_pages=num_pages)
 
 
 MEMORY_HOW = ("each engine's own phase: peak bytes of the live device arrays its run holds "
@@ -166,7 +172,8 @@ def generate_measuring_memory(engine, prompts, params):
     GPU cannot do this (it never resets and covers every engine), so it is only reported
     beside (`process_peak_mib`).
     """
-    own = {id(x) for x in jax.tree.leaves((engine.params, engine.cache, engine.state))}
+    own = {id(x) for e in getattr(engine, "replicas", [engine])
+           for x in jax.tree.leaves((e.params, e.cache, e.state))}
     others = {id(x) for x in jax.live_arrays()} - own
     peak = 0
 
@@ -232,8 +239,7 @@ def timed_generate(engine, prompts, params):
             if full <= len(started) < len(prompts):
                 waiting.append(util[-1])
 
-    for key in ("prefill_s", "step_s", "host_s", "steps"):
-        engine.timing[key] = 0
+    engine.reset_timing(("prefill_s", "step_s", "host_s", "steps"))
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params, on_token=on_token)
     wall = time.perf_counter() - t0
@@ -405,9 +411,15 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
     plans = {w: workload_plan(w, jc, prompts) for w in jc.workloads}
     pool = {w: (busy_pages(jc, plans[w][1]) if w == "busy" else None) for w in jc.workloads}
     engines = {}
+    placed = None
+    if jc.tp * jc.dp > 1:   # lay the weights out once; every engine shares them
+        from mtpjax import tensor_parallel
+        placed = [tensor_parallel.place_params(cfg, params, m)
+                  for m in tensor_parallel.make_meshes(jc.tp, jc.dp)]
     for w, (lanes, _) in plans.items():
         for kk in (0, k):
-            engines[(w, kk)] = make_engine(cfg, params, jc, kk, lanes, pool[w], max_seq_len)
+            engines[(w, kk)] = make_engine(cfg, params, jc, kk, lanes, pool[w], max_seq_len,
+                                           placed)
     kernels = engines[(jc.workloads[0], 0)].kernels
 
     total = len(plans) * 2 * (1 + jc.passes) + 3

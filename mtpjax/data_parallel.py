@@ -120,20 +120,36 @@ class DataParallelEngine:
             rep, local = routes[request_id]
             self.replicas[rep].cancel(local)
 
+    @property
+    def timing(self) -> dict:
+        """The replicas' step timers: counters summed, seconds the slowest replica's (they
+        run concurrently)."""
+        per = [e.timing for e in self.replicas]
+        return {key: (max if key.endswith("_s") else sum)(t[key] for t in per) for key in per[0]}
+
+    def reset_timing(self, keys=None) -> None:
+        for e in self.replicas:
+            e.reset_timing(keys)
+
     def stats(self) -> dict:
         """Totals over the replicas, and each replica's own stats under "replicas"."""
         per = [e.stats() for e in self.replicas]
         total = {key: sum(s[key] for s in per) for key in _SUMMED}
-        for key in ("prefill_s", "step_s", "host_s"):      # replicas run concurrently
-            total[key] = max(s[key] for s in per)
-        return {**total, "dp": self.dp, "tp": self.tp, "kernels": self.kernels,
+        return {**total, **self.timing, "dp": self.dp, "tp": self.tp, "kernels": self.kernels,
                 "num_speculative_tokens": self.k, "max_seq_len": self.max_seq_len,
                 "page_size": per[0]["page_size"], "replicas": per}
 
 
 def make_engine(cfg: Config, params: Params, *, tp: int = 1, dp: int = 1,
-                devices: Sequence | None = None, **kw):
-    """An Engine on tp devices (dp = 1) or a DataParallelEngine of dp such replicas."""
-    if dp == 1:
-        return Engine(cfg, params, tp=tp, devices=devices, **kw)
-    return DataParallelEngine.from_params(cfg, params, dp=dp, tp=tp, devices=devices, **kw)
+                devices: Sequence | None = None, placed: Sequence[Params] | None = None, **kw):
+    """An Engine on tp devices (dp = 1) or a DataParallelEngine of dp such replicas.
+
+    placed: params already laid out on `tensor_parallel.make_meshes(tp, dp, devices)` (one per
+    replica), to share one placement between several engines (the judge's stock and
+    candidate); else `params` (standard layout) are laid out for this engine.
+    """
+    meshes = tensor_parallel.make_meshes(tp, dp, devices)
+    if placed is None:
+        placed = [tensor_parallel.place_params(cfg, params, m) for m in meshes]
+    engines = [Engine(cfg, p, mesh=m, **kw) for p, m in zip(placed, meshes)]
+    return engines[0] if dp == 1 else DataParallelEngine(engines)

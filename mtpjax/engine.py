@@ -313,6 +313,11 @@ class Engine:
         self.timing["prefill_chunks"] += 1
         return int(first) if w.is_last else None
 
+    def reset_timing(self, keys=None) -> None:
+        """Zero the step timers and counters (all, or `keys`), e.g. between timed passes."""
+        for key in (self.timing if keys is None else keys):
+            self.timing[key] = 0
+
     def stats(self) -> dict:
         return {"compiled_programs": len(self._programs),
                 "programs": sorted(self._programs),

@@ -288,3 +288,51 @@ def make_meshes(tp: int, dp: int, devices: Sequence | None = None) -> list[Mesh 
 
 def mesh_tp(mesh: Mesh | None) -> int:
     return 1 if mesh is None else mesh.shape[TP_AXIS]
+
+
+# --------------------------------------------------------------------------------------------
+# Memory per device (shapes only: eval_shape, no arrays)
+# --------------------------------------------------------------------------------------------
+
+def memory_per_device(cfg: Config, tp: int, dtype="bfloat16", *, lanes: int = 1,
+                      max_seq_len: int = 1024, page_size: int = 16, K: int = 1,
+                      hbm_bytes: float = 141e9, hbm_use: float = 0.9) -> dict:
+    """Bytes one device holds under tensor parallelism, from shapes alone.
+
+    weights: every leaf's share (sharded leaves / tp, padding and replicated KV / GDN key
+    heads included; replicated leaves whole). gdn_state: `lanes` GDN slots with K+1 pending
+    slots. kv: per token (all full-attention layers + the MTP layer, this device's KV heads)
+    and per page. kv_tokens_fit: tokens of KV that fit in hbm_use x hbm_bytes after weights and
+    GDN state. loader_peak_host: what the loaders hold on the host at once (the largest
+    standard leaf + its tensor-parallel copy + the largest checkpoint tensor).
+    """
+    from mtpjax import model
+    from mtpjax.params import hf_tensor_map
+    check_tp(cfg, tp)
+    local = shard_config(cfg, tp)
+    part = {}                      # fused leaf -> its largest checkpoint tensor's bytes
+    for s in hf_tensor_map(cfg):
+        if s.rows is not None:
+            b = int(np.prod(s.shape)) * leaf_dtype(s.path, dtype).itemsize
+            part[s.path] = max(part.get(s.path, 0), b)
+    weights, peak_host = 0, 0
+    for path, shape in leaf_shapes(cfg).items():
+        n = int(np.prod(shape)) * leaf_dtype(path, dtype).itemsize
+        lay = layout_index(cfg, tp, path)
+        g = n if lay is None else n * len(lay[1]) // shape[lay[0]]
+        weights += g if lay is None else g // tp
+        # hf_loader: the leaf (for a fused leaf, plus the tensor being copied in), and for
+        # tp > 1 its tensor-parallel copy (to_layout) while the shards are sent
+        peak_host = max(peak_host, n + part.get(path, 0) + (g if tp > 1 else 0))
+    cache = jax.eval_shape(lambda: model.init_paged_cache(local, lanes, 1, page_size, K + 1,
+                                                          dtype))
+    gdn = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(cache.gdn))
+    per_tok = ((local.num_full_layers + (1 if cfg.has_mtp else 0)) * 2
+               * local.num_key_value_heads * cfg.head_dim * np.dtype(dtype).itemsize)
+    free = hbm_use * hbm_bytes - weights - gdn
+    return {"tp": tp, "weights_bytes": int(weights), "gdn_state_bytes": int(gdn),
+            "kv_bytes_per_token": int(per_tok), "kv_page_bytes": int(per_tok * page_size),
+            "kv_bytes": int(per_tok * lanes * max_seq_len), "lanes": lanes,
+            "max_seq_len": max_seq_len, "hbm_bytes": hbm_bytes, "hbm_use": hbm_use,
+            "kv_tokens_fit": int(max(free, 0) // per_tok),
+            "loader_peak_host_bytes": int(peak_host)}
