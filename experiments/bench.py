@@ -58,12 +58,14 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from mtpjax import model
+from experiments import mesh_flags
+from mtpjax import model, tensor_parallel
 from mtpjax.config import FULL, LINEAR, Config, qwen3_5_27b
 from mtpjax.params import Params, abstract_params
 
 FLAGS = flags.FLAGS
 DEFAULT_CHECKPOINT = "checkpoints/tiny"
+mesh_flags.define()
 flags.DEFINE_string("checkpoint", DEFAULT_CHECKPOINT,
                     "checkpoint folder (HF or converted); when the default one holds no "
                     "config.json the random tiny config is used")
@@ -259,8 +261,12 @@ def config_summary(cfg: Config) -> dict:
 # --------------------------------------------------------------------------------------------
 
 def nbytes(tree) -> int:
-    return int(sum(int(np.prod(x.shape)) * jnp.dtype(x.dtype).itemsize
-                   for x in jax.tree.leaves(tree)))
+    """Bytes one device holds (a sharded array's shard; a replicated or one-device array whole)."""
+    def one(x):
+        sh = getattr(x, "sharding", None)
+        shape = sh.shard_shape(x.shape) if sh is not None else x.shape
+        return int(np.prod(shape)) * jnp.dtype(x.dtype).itemsize
+    return int(sum(one(x) for x in jax.tree.leaves(tree)))
 
 
 def lm_head_weight(params: Params):
@@ -302,29 +308,51 @@ def step_bytes(cfg: Config, params: Params, cache: model.Cache, program: str, ba
 # The step programs
 # --------------------------------------------------------------------------------------------
 
-@partial(jax.jit, static_argnames=("cfg", "kernels"), donate_argnames=("cache",))
-def target_step(cfg: Config, params: Params, cache: model.Cache, tokens, start, page_table, *,
-                kernels: str):
-    """decode (T = 1) / verify (T = k+1): forward in "step" mode + lm_head + greedy tokens.
+def _on_mesh(body, cfg: Config, mesh, params, cache, *rest):
+    """body(cfg, params, cache, *rest) -> (tokens, cache), under shard_map on a tp mesh."""
+    if mesh is None:
+        return body(cfg, params, cache, *rest)
+    tp = tensor_parallel.mesh_tp(mesh)
+    cs = tensor_parallel.cache_specs(cache)
+    rep = jax.sharding.PartitionSpec()
+    f = tensor_parallel.spmd(partial(body, tensor_parallel.shard_config(cfg, tp)), mesh,
+                             (tensor_parallel.param_specs(cfg, tp), cs) + (rep,) * len(rest),
+                             (rep, cs))
+    return f(params, cache, *rest)
 
-    page_table: i32[B, pages_per_lane] for a paged cache, None for a contiguous one.
-    """
+
+def _target_body(cfg, params, cache, tokens, start, page_table, kernels):
     B, T = tokens.shape
     seg = _segment(start, T, page_table)
     h, cache = model.forward(cfg, params, cache, tokens, seg, "step", kernels)
-    out = jnp.argmax(model.lm_head(params, h), axis=-1).astype(jnp.int32)
-    return out, cache
+    return model.argmax_tokens(cfg, params, h), cache
 
 
-@partial(jax.jit, static_argnames=("cfg", "kernels"), donate_argnames=("cache",))
-def draft_step(cfg: Config, params: Params, cache: model.Cache, h_prev, tokens, start,
-               page_table, *, kernels: str):
-    """One MTP step over 1 token per lane + lm_head + greedy draft."""
+def _draft_body(cfg, params, cache, h_prev, tokens, start, page_table, kernels):
     B, T = tokens.shape
     seg = _segment(start, T, page_table)
     h, cache = model.mtp_forward(cfg, params, cache, h_prev, tokens, seg, kernels)
-    out = jnp.argmax(model.lm_head(params, h), axis=-1).astype(jnp.int32)
-    return out, cache
+    return model.argmax_tokens(cfg, params, h), cache
+
+
+@partial(jax.jit, static_argnames=("cfg", "kernels", "mesh"), donate_argnames=("cache",))
+def target_step(cfg: Config, params: Params, cache: model.Cache, tokens, start, page_table, *,
+                kernels: str, mesh=None):
+    """decode (T = 1) / verify (T = k+1): forward in "step" mode + lm_head + greedy tokens.
+
+    page_table: i32[B, pages_per_lane] for a paged cache, None for a contiguous one.
+    mesh: a tensor-parallel mesh the params and cache are laid out on (tensor_parallel.py).
+    """
+    return _on_mesh(partial(_target_body, kernels=kernels), cfg, mesh, params, cache, tokens,
+                    start, page_table)
+
+
+@partial(jax.jit, static_argnames=("cfg", "kernels", "mesh"), donate_argnames=("cache",))
+def draft_step(cfg: Config, params: Params, cache: model.Cache, h_prev, tokens, start,
+               page_table, *, kernels: str, mesh=None):
+    """One MTP step over 1 token per lane + lm_head + greedy draft."""
+    return _on_mesh(partial(_draft_body, kernels=kernels), cfg, mesh, params, cache, h_prev,
+                    tokens, start, page_table)
 
 
 def _segment(start, T: int, page_table):
@@ -335,18 +363,21 @@ def _segment(start, T: int, page_table):
 
 
 def make_cache(cfg: Config, kv: str, batch: int, slots: int, P: int, dtype, page_size: int,
-               rng):
+               rng, mesh=None):
     """(cache, page_table) for `batch` lanes of `slots` tokens with P pending slots.
 
     paged: one pool of batch * ceil(slots / page_size) pages, handed out in a random order,
     so lanes' pages interleave in memory as they do in a long-running engine.
+    mesh: built sharded on a tensor-parallel mesh.
     """
     if kv == "contiguous":
-        return model.init_cache(cfg, batch, slots, P, dtype), None
+        return tensor_parallel.sharded_cache(
+            cfg, mesh, lambda c: model.init_cache(c, batch, slots, P, dtype)), None
     if kv != "paged":
         raise ValueError(f"kv must be 'contiguous' or 'paged', got {kv!r}")
     ppl = -(-slots // page_size)
-    cache = model.init_paged_cache(cfg, batch, batch * ppl, page_size, P, dtype)
+    cache = tensor_parallel.sharded_cache(
+        cfg, mesh, lambda c: model.init_paged_cache(c, batch, batch * ppl, page_size, P, dtype))
     table = rng.permutation(batch * ppl).astype(np.int32).reshape(batch, ppl)
     return cache, jnp.asarray(table)
 
@@ -372,7 +403,11 @@ def time_calls(call, cache, iters: int, warmup: int = 2):
 
 def bench_program(cfg: Config, params: Params, program: str, batch: int, context: int, k: int,
                   kernels: str, iters: int, hbm_gbps: float, seed: int = 0,
-                  kv: str = "contiguous", page_size: int = 16) -> dict:
+                  kv: str = "contiguous", page_size: int = 16, replicas=None) -> dict:
+    """replicas: [(mesh, params laid out on it)] (--tp / --dp): every timed call runs the step
+    on each replica (dispatched together, so they run at once) and waits for all; the bytes
+    and floor are one device's, tokens/s counts every replica."""
+    replicas = replicas or [(None, params)]
     if program not in PROGRAMS:
         raise ValueError(f"unknown program {program!r}; choose from {PROGRAMS}")
     if program == "draft" and not cfg.has_mtp:
@@ -380,18 +415,30 @@ def bench_program(cfg: Config, params: Params, program: str, batch: int, context
     T = k + 1 if program == "verify" else 1
     dt = params.embed.dtype
     rng = np.random.default_rng(seed)
-    cache, table = make_cache(cfg, kv, batch, context + T, T, dt, page_size, rng)
-    cache = dataclasses.replace(cache, n_pend=jnp.full((batch,), T, jnp.int32))
-    bytes_ = step_bytes(cfg, params, cache, program, batch, context, T)
-    tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, (batch, T)), jnp.int32)
-    start = jnp.full((batch,), context, jnp.int32)
+    caches, table = [], None
+    for mesh, _ in replicas:
+        c, table = make_cache(cfg, kv, batch, context + T, T, dt, page_size,
+                              np.random.default_rng(seed), mesh)
+        n_pend = np.full((batch,), T, np.int32)
+        caches.append(dataclasses.replace(c, n_pend=jax.device_put(n_pend, c.n_pend.sharding)))
+    mesh0, params0 = replicas[0]
+    local = tensor_parallel.shard_config(cfg, tensor_parallel.mesh_tp(mesh0))
+    bytes_ = step_bytes(local, params0, caches[0], program, batch, context, T)
+    tokens = np.asarray(rng.integers(0, cfg.vocab_size, (batch, T)), np.int32)
+    start = np.full((batch,), context, np.int32)
+    table = None if table is None else np.asarray(table)
     if program == "draft":
-        h_prev = jnp.asarray(rng.standard_normal((batch, T, cfg.hidden_size)), dt)
-        call = lambda c: draft_step(cfg, params, c, h_prev, tokens, start, table,
-                                    kernels=kernels)
+        h_prev = np.asarray(rng.standard_normal((batch, T, cfg.hidden_size))).astype(dt)
+        one = lambda m, p, c: draft_step(cfg, p, c, h_prev, tokens, start, table,
+                                         kernels=kernels, mesh=m)
     else:
-        call = lambda c: target_step(cfg, params, c, tokens, start, table, kernels=kernels)
-    first, times = time_calls(call, cache, iters)
+        one = lambda m, p, c: target_step(cfg, p, c, tokens, start, table, kernels=kernels,
+                                          mesh=m)
+
+    def call(cs):
+        res = [one(m, p, c) for (m, p), c in zip(replicas, cs)]
+        return [r[0] for r in res], [r[1] for r in res]
+    first, times = time_calls(call, caches, iters)
     med = float(np.median(times))
     floor = bytes_["total"] / (hbm_gbps * 1e9)
     wfloor = bytes_["weights"] / (hbm_gbps * 1e9)
@@ -399,7 +446,9 @@ def bench_program(cfg: Config, params: Params, program: str, batch: int, context
         "program": program, "batch": batch, "context_len": context, "tokens_per_lane": T,
         "kv": kv,
         "iters": iters, "first_call_s": first, "median_s": med, "min_s": float(np.min(times)),
-        "p90_s": float(np.percentile(times, 90)), "tokens_per_s": batch * T / med,
+        "p90_s": float(np.percentile(times, 90)),
+        "tokens_per_s": len(replicas) * batch * T / med, "replicas": len(replicas),
+        "tp": tensor_parallel.mesh_tp(mesh0),
         "bytes": bytes_, "achieved_gbps": bytes_["total"] / med / 1e9,
         "floor_s": floor, "bw_fraction": floor / med, "x_floor": med / floor,
         "weight_floor_s": wfloor, "x_weight_floor": med / wfloor,
@@ -439,7 +488,7 @@ def device_info() -> dict:
 def run_bench(cfg: Config, params: Params, *, programs, batch_sizes, context_lens, k: int,
               kernels: str, iters: int, hbm_gbps: float, seed: int = 0,
               kv: str = "contiguous", page_size: int = 16, deadline: float | None = None,
-              log=print) -> dict:
+              log=print, replicas=None) -> dict:
     """Time every (program, batch, context); entries past `deadline` are recorded as skipped."""
     rows = []
     for b in batch_sizes:
@@ -453,7 +502,7 @@ def run_bench(cfg: Config, params: Params, *, programs, batch_sizes, context_len
                     log(f"  {prog:6s} B={b} C={c}: skipped (time budget)")
                     continue
                 r = bench_program(cfg, params, prog, b, c, k, kernels, iters, hbm_gbps, seed,
-                                  kv, page_size)
+                                  kv, page_size, replicas)
                 rows.append(r)
                 log(f"  {prog:6s} B={b} C={c} T={r['tokens_per_lane']}: "
                     f"{r['median_s'] * 1e3:.3f} ms/step, {r['tokens_per_s']:.1f} tok/s, "
@@ -532,10 +581,16 @@ def main(argv):
     cfg, params, desc = build_model(FLAGS.checkpoint, FLAGS.synthetic, FLAGS.layers, dtype,
                                     FLAGS.seed)
     log(f"model: {desc}")
+    replicas = None
+    if FLAGS.tp * FLAGS.dp > 1:
+        meshes = tensor_parallel.make_meshes(FLAGS.tp, FLAGS.dp)
+        replicas = [(m, tensor_parallel.place_params(cfg, params, m)) for m in meshes]
+        log(f"tp={FLAGS.tp} dp={FLAGS.dp}: bytes and floors per device, tokens/s over all "
+            f"replicas")
     res = run_bench(cfg, params, programs=programs, batch_sizes=batch_sizes,
                     context_lens=context_lens, k=k, kernels=kernels, iters=FLAGS.iters,
                     hbm_gbps=FLAGS.hbm_gbps, seed=FLAGS.seed, kv=FLAGS.kv,
-                    page_size=FLAGS.page_size, log=log)
+                    page_size=FLAGS.page_size, log=log, replicas=replicas)
     doc = {
         "command": command_line(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -544,6 +599,7 @@ def main(argv):
                   "target_weight_bytes": target_weight_bytes(params),
                   "mtp_weight_bytes": mtp_weight_bytes(params) if cfg.has_mtp else 0},
         "kernels": kernels, "kv": FLAGS.kv, "page_size": FLAGS.page_size,
+        "tp": FLAGS.tp, "dp": FLAGS.dp,
         "num_speculative_tokens": k, "iters": FLAGS.iters,
         **roofline_label(info["backend"], FLAGS.hbm_gbps),
         **res,

@@ -246,12 +246,18 @@ def init_paged_cache(cfg: Config, mesh: Mesh | None, lanes: int, num_pages: int,
     """model.init_paged_cache, created shard by shard on the mesh (each device allocates only
     its heads' KV pages and GDN state; nothing is gathered)."""
     from mtpjax import model
+    return sharded_cache(cfg, mesh, lambda c: model.init_paged_cache(
+        c, lanes, num_pages, page_size, num_pending, dtype))
+
+
+def sharded_cache(cfg: Config, mesh: Mesh | None, make):
+    """make(cfg) -> a model.Cache, built shard by shard on the mesh (make(per-shard config) on
+    each device; mesh None: make(cfg) on the default device)."""
     if mesh is None:
-        return model.init_paged_cache(cfg, lanes, num_pages, page_size, num_pending, dtype)
+        return make(cfg)
     local = shard_config(cfg, mesh_tp(mesh))
-    make = lambda: model.init_paged_cache(local, lanes, num_pages, page_size, num_pending, dtype)
-    specs = cache_specs(jax.eval_shape(make))
-    return jax.jit(spmd(make, mesh, (), specs))()
+    fn = lambda: make(local)
+    return jax.jit(spmd(fn, mesh, (), cache_specs(jax.eval_shape(fn))))()
 
 
 def spmd(fn, mesh: Mesh, in_specs, out_specs):

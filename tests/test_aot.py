@@ -261,3 +261,38 @@ def test_27b_decode_step_moves_no_weight_and_under_2_percent(name):
     # the KV pool and the GDN state are updated in place: every donated buffer is aliased
     don = r["donation"]
     assert don["donated"] > 300 and don["not_aliased"] == [], don
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Tensor parallelism on a 2-H200 topology (issue 10), the bundled tiny model's shapes
+# ---------------------------------------------------------------------------------------------
+
+def test_tensor_parallel_step_compiles_for_two_h200s_with_per_layer_collectives():
+    """The tp = 2 decode step with the Pallas kernels under shard_map compiles for a 1x1x2
+    H200 topology: each device's floor is its share, no weight is copied, donated caches stay
+    aliased, and the only collectives are the Megatron layout's all-reduces (one embedding
+    lookup + two per decoder layer, target and MTP) and logits-sized all-gathers."""
+    from mtpjax import tensor_parallel
+    from mtpjax.config import Config
+    cfg = Config.from_pretrained("checkpoints/tiny")
+    mesh = aot_programs.target_mesh("h200", 2)
+    progs = aot_programs.build_programs(cfg, lanes=2, max_seq_len=256, K=1, kernels="pallas",
+                                        dtype="bfloat16", page_size=16, mesh=mesh)
+    prog = next(p for p in progs if p.name == "decode_k1")
+    r = aot_programs.compile_program(prog, None)
+    assert r["tp"] == 2
+    one = aot_programs.weight_bytes(cfg, "bfloat16")
+    per = aot_programs.weight_bytes(cfg, "bfloat16", 2)
+    assert r["roofline"]["floor_terms"]["weights"] == per["target"] + per["mtp"]
+    assert 0.5 * (one["target"] + one["mtp"]) < per["target"] + per["mtp"] \
+        < 0.6 * (one["target"] + one["mtp"])        # half, plus replicated norms / MTP fc
+    assert r["weight_copy_bytes"] == 0
+    assert r["donation"]["not_aliased"] == []
+    col = r["collectives"]
+    assert set(col) <= {"all-reduce", "all-gather"}, col
+    assert col["all-reduce"]["count"] == (1 + 2 * cfg.num_layers) + 3, col
+    B, H, V = 2, cfg.hidden_size, tensor_parallel.padded_vocab(cfg, 2)
+    # all-reduces: at most [B, k+1, H] f32 each (XLA may narrow the MTP's to the rows it
+    # uses); all-gathers: the verify logits and the draft pairs
+    assert col["all-reduce"]["bytes"] <= col["all-reduce"]["count"] * B * 2 * H * 4, col
+    assert col["all-gather"]["bytes"] <= B * 2 * V * 4 + 2 * 2 * B * 8, col
