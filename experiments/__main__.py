@@ -19,7 +19,8 @@ import sys
 
 from absl import app, flags
 
-COMMANDS = ("judge", "generate", "bench", "convert", "train_tiny", "gpu_check", "aot", "speed")
+COMMANDS = ("judge", "generate", "bench", "convert", "train_tiny", "gpu_check", "aot", "speed",
+            "mesh")
 DEFAULT = "judge"
 CACHE_OFF_BY_DEFAULT = ("aot",)   # it measures compile time
 CACHE_ENV = "MTPJAX_COMPILATION_CACHE_DIR"

@@ -419,7 +419,7 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
     for w, (lanes, _) in plans.items():
         for kk in (0, k):
             engines[(w, kk)] = make_engine(cfg, params, jc, kk, lanes, pool[w], max_seq_len,
-                                           placed)
+                                           placed=placed)
     kernels = engines[(jc.workloads[0], 0)].kernels
 
     total = len(plans) * 2 * (1 + jc.passes) + 3

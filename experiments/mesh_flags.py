@@ -47,7 +47,12 @@ def setup() -> None:
                                    num_processes=FLAGS.num_processes,
                                    process_id=FLAGS.process_id)
         procs = FLAGS.num_processes
-    need = -(-FLAGS.tp * FLAGS.dp // procs)
+    setup_devices(-(-FLAGS.tp * FLAGS.dp // procs))
+
+
+def setup_devices(need: int) -> None:
+    """At least `need` host CPU devices in this process (before JAX's backends start)."""
+    import jax
     if need > 1 and "host_platform_device_count" not in os.environ.get("XLA_FLAGS", ""):
         try:
             jax.config.update("jax_num_cpu_devices", need)

@@ -174,8 +174,9 @@ def test_memory_check_fails_a_candidate_with_a_much_bigger_pool_on_a_gpu(peaky_c
     real_devices, real_make = jax.devices, judge.make_engine
     monkeypatch.setattr(jax, "devices", lambda *a: [_FakeGpu(d) for d in real_devices(*a)])
 
-    def make_engine(cfg, params, jc, k, lanes, num_pages, max_seq_len):
-        return real_make(cfg, params, jc, k, lanes, 4096 if k else num_pages, max_seq_len)
+    def make_engine(cfg, params, jc, k, lanes, num_pages, max_seq_len, placed=None):
+        return real_make(cfg, params, jc, k, lanes, 4096 if k else num_pages, max_seq_len,
+                         placed=placed)
 
     monkeypatch.setattr(judge, "make_engine", make_engine)
     card = _run_tiny(peaky_ckpt, tmp_path, limits=gate.Limits(memory_slack_mib=8.0))
@@ -197,7 +198,7 @@ def test_memory_check_counts_what_the_candidates_run_allocates(peaky_ckpt, tmp_p
             finally:
                 del scratch
 
-    def make_engine(cfg, params, jc, k, lanes, num_pages, max_seq_len):
+    def make_engine(cfg, params, jc, k, lanes, num_pages, max_seq_len, placed=None):
         cls = Hoarder if k else mtpjax.Engine
         return cls(cfg, params, num_speculative_tokens=k, max_lanes=lanes,
                    max_seq_len=max_seq_len, kernels=jc.kernels, page_size=jc.page_size,
