@@ -170,11 +170,10 @@ class Engine:
         """
         from mtpjax.api import load_checkpoint
         meshes = tensor_parallel.make_meshes(tp, dp, devices)
-        cfg = _peek_config(path)
-        tensor_parallel.check_tp(cfg, tp)     # before reading any weight
         if meshes == [None]:
             cfg, params = load_checkpoint(path, dtype)
             return cls(cfg, params, num_speculative_tokens=num_speculative_tokens, **kw)
+        tensor_parallel.check_tp(_peek_config(path), tp)     # before reading any weight
         cfg, trees = load_checkpoint(path, dtype, meshes)
         engines = [cls(cfg, p, num_speculative_tokens=num_speculative_tokens, mesh=m, **kw)
                    for p, m in zip(trees, meshes)]

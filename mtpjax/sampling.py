@@ -330,10 +330,24 @@ def verify_from_uniforms(
             rep(lanes.top_p),
         )
         t = sample_from_uniform(probs, u.reshape(-1)).reshape(batch, k1)  # [B, K+1]
-        match = (t[:, : k1 - 1] == drafts).astype(jnp.int32)  # [B, K]
-        num_accepted = jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
-        emitted = jnp.arange(k1)[None, :] <= num_accepted[:, None]
-        return num_accepted, jnp.where(emitted, t, -1).astype(jnp.int32)
+        return accept(t, drafts)
+
+
+def accept(target_tokens: jax.Array, drafts: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Accept drafts while they equal the target's tokens.
+
+    Args:
+      target_tokens: i32[B, K+1], the target's token at each position.
+      drafts: i32[B, K].
+
+    Returns:
+      ``verify``'s (num_accepted i32[B], tokens i32[B, K+1] with -1 after the emitted ones).
+    """
+    k1 = target_tokens.shape[1]
+    match = (target_tokens[:, : k1 - 1] == drafts).astype(jnp.int32)  # [B, K]
+    num_accepted = jnp.sum(jnp.cumprod(match, axis=1), axis=1).astype(jnp.int32)
+    emitted = jnp.arange(k1)[None, :] <= num_accepted[:, None]
+    return num_accepted, jnp.where(emitted, target_tokens, -1).astype(jnp.int32)
 
 
 @jax.jit

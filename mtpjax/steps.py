@@ -92,6 +92,35 @@ def draft_chain(cfg: Config, params: Params, cache: Cache, h_mtp, d1, pos, live,
     return jnp.stack(drafts, axis=1), cache
 
 
+def _all_greedy(lanes: sampling.LaneSampling):
+    return jnp.all(lanes.temperature <= 0)
+
+
+def _verify(cfg: Config, params: Params, h, drafts, lanes, first_position):
+    """sampling.verify on the target's post-norm hidden h [B, k+1, H].
+
+    Under tensor parallelism a batch of greedy lanes only needs each position's argmax, which
+    `model.argmax_tokens` finds on the sharded logits ([tp, B, k+1] pairs gathered); only a
+    batch with a sampling lane gathers the [B, k+1, V] logits for the exact sampler. Both give
+    the first argmax for a greedy lane, so the tokens do not depend on the branch."""
+    sampled = lambda: sampling.verify(model.full_logits(cfg, params, h), drafts, lanes,
+                                      first_position)
+    if cfg.tp_axis is None:
+        return sampled()
+    return lax.cond(_all_greedy(lanes),
+                    lambda: sampling.accept(model.argmax_tokens(cfg, params, h), drafts),
+                    sampled)
+
+
+def _sample(cfg: Config, params: Params, h, lanes, positions):
+    """sampling.sample on post-norm hidden h [B, H]; greedy batches skip the logits gather
+    under tensor parallelism (see _verify)."""
+    sampled = lambda: sampling.sample(model.full_logits(cfg, params, h), lanes, positions)
+    if cfg.tp_axis is None:
+        return sampled()
+    return lax.cond(_all_greedy(lanes), lambda: model.argmax_tokens(cfg, params, h), sampled)
+
+
 @partial(jax.jit, static_argnames=("mesh",), donate_argnames=("cache", "state"))
 def move_lane(cache: Cache, state: LaneState, src, dst, *, mesh=None):
     """Copy lane slot src's GDN state, pending count and LaneState row to slot dst (i32
@@ -153,7 +182,7 @@ def _prefill_body(cfg: Config, params: Params, cache: Cache, state: LaneState, l
     last = n_valid - 1
     h_last = lax.dynamic_index_in_dim(h, last, axis=1, keepdims=False)     # [1, H]
     lane_s = jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, lane, 1), lanes)
-    first = sampling.sample(model.full_logits(cfg, params, h_last), lane_s, (start + n_valid)[None])
+    first = _sample(cfg, params, h_last, lane_s, (start + n_valid)[None])
 
     if k > 0:
         nt = jnp.where(is_last & (jnp.arange(tokens.shape[1]) == last)[None], first[:, None],
@@ -210,8 +239,7 @@ def _decode_body(cfg: Config, params: Params, cache: Cache, state: LaneState, la
     n_in = jnp.where(active, k + 1, 0).astype(jnp.int32)
     h, cache = model.forward(cfg, params, cache, tokens, Segment(state.pos, n_in, page_table),
                              "step", kernels)
-    logits = model.full_logits(cfg, params, h)                                   # [B, k+1, V]
-    n_acc, out = sampling.verify(logits, drafts_in, lanes, state.pos + 1)
+    n_acc, out = _verify(cfg, params, h, drafts_in, lanes, state.pos + 1)
     n_acc = jnp.where(active, n_acc, 0)
     cache = dataclasses.replace(cache, n_pend=model.put_slots(
         cache.n_pend, 0, jnp.where(active, n_acc + 1, 0)))
