@@ -27,10 +27,15 @@ from tiny_models import TP_ENGINE_KW as ENGINE_KW, TP_PROMPTS as PROMPTS, TP_SAM
 _REF: dict[int, list] = {}
 
 
+# The k x tp matrix runs one lane per engine (one decode program each: compiling dominates
+# these tests); lane batching under tensor parallelism is covered by the two-lane tests below.
+ONE_LANE = dict(ENGINE_KW, max_lanes=1)
+
+
 def _reference(k: int) -> list:
     """The one-device engine's tokens for PROMPTS / SAMPLING with k drafts (computed once)."""
     if k not in _REF:
-        outs = Engine(TP_CFG, TP_PARAMS, num_speculative_tokens=k, **ENGINE_KW).generate(
+        outs = Engine(TP_CFG, TP_PARAMS, num_speculative_tokens=k, **ONE_LANE).generate(
             PROMPTS, SAMPLING)
         assert all(len(o.token_ids) == 14 for o in outs)
         _REF[k] = [o.token_ids for o in outs]
@@ -49,15 +54,27 @@ def test_eight_host_devices():
 def test_tensor_parallel_matches_one_device(k):
     ref = _reference(k)
     for tp in (2, 4, 8):
-        eng = Engine(TP_CFG, TP_PARAMS, num_speculative_tokens=k, tp=tp, **ENGINE_KW)
+        eng = Engine(TP_CFG, TP_PARAMS, num_speculative_tokens=k, tp=tp, **ONE_LANE)
         assert _tokens(eng.generate(PROMPTS, SAMPLING)) == ref, f"tp={tp} k={k}"
         assert eng.stats()["tp"] == tp and len(eng.stats()["devices"]) == tp
 
 
+def test_tensor_parallel_batches_lanes():
+    """Two lanes per step under tp = 4 (greedy and sampling lanes in one batch, and all-greedy
+    batches, which take the no-gather verify branch)."""
+    eng = Engine(TP_CFG, TP_PARAMS, num_speculative_tokens=1, tp=4, **ENGINE_KW)
+    assert _tokens(eng.generate(PROMPTS, SAMPLING)) == _reference(1)
+    assert ("decode", 1, 2) in eng.stats()["programs"]
+    greedy = [SamplingParams(max_new_tokens=14)] * 2
+    ref = Engine(TP_CFG, TP_PARAMS, num_speculative_tokens=1, **ONE_LANE).generate(
+        PROMPTS[:2], greedy)
+    assert _tokens(eng.generate(PROMPTS[:2], greedy)) == _tokens(ref)
+
+
 def test_data_parallel_matches_one_device_and_spreads_requests():
-    ref = _reference(2)
+    ref = _reference(1)
     for tp in (1, 2):
-        eng = mtpjax.make_engine(TP_CFG, TP_PARAMS, num_speculative_tokens=2, tp=tp, dp=2,
+        eng = mtpjax.make_engine(TP_CFG, TP_PARAMS, num_speculative_tokens=1, tp=tp, dp=2,
                                  **ENGINE_KW)
         streamed = {}
         outs = eng.generate(PROMPTS, SAMPLING,
@@ -75,7 +92,7 @@ def test_data_parallel_matches_one_device_and_spreads_requests():
 
 def test_pallas_kernels_run_per_shard():
     """The Pallas kernels (interpret mode) under shard_map on each shard's heads."""
-    kw = dict(ENGINE_KW, kernels="interpret")
+    kw = dict(ONE_LANE, kernels="interpret")
     prompts, sp = PROMPTS[:2], SAMPLING[:2]
     ref = Engine(TP_CFG, TP_PARAMS, num_speculative_tokens=1, **kw).generate(prompts, sp)
     out = Engine(TP_CFG, TP_PARAMS, num_speculative_tokens=1, tp=2, **kw).generate(prompts, sp)
