@@ -51,7 +51,6 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltr
-from jax.scipy.linalg import solve_triangular
 
 from pallas_kernels.tuned_block_sizes import TRITON_MIN_DOT, GatedDeltaTuning, get_gated_delta_tuning
 
@@ -493,6 +492,20 @@ def recurrent_gated_delta_reference(q, k, v, g, beta, state):
   return jnp.moveaxis(o, 0, 1).astype(v.dtype), s
 
 
+def _unit_lower_solve(a, rhs):
+  """(I + a)^-1 rhs for strictly lower-triangular a [..., C, C], rhs [..., C, N]: forward
+  substitution, one row per step (the kernel's recurrence).
+
+  Not `jax.scipy.linalg.solve_triangular`: on the CPU its LAPACK call splits the batch over
+  the shared intra-op thread pool and waits for it inside a pool thread, which deadlocks when
+  several devices run it at once (tensor-parallel programs on host devices).
+  """
+  def row(i, sol):
+    upd = jnp.einsum("...j,...jn->...n", a[..., i, :], sol, precision=_HI)
+    return sol.at[..., i, :].add(-upd)
+  return lax.fori_loop(1, a.shape[-1], row, rhs)
+
+
 @functools.partial(jax.jit, static_argnames=("chunk_size",))
 def chunk_gated_delta_reference(q, k, v, g, beta, state, *, chunk_size=64):
   """Chunked WY form (spec §4.2) in jnp: ``lax.scan`` over chunks, f32.
@@ -524,10 +537,9 @@ def chunk_gated_delta_reference(q, k, v, g, beta, state, *, chunk_size=64):
     decay = jnp.exp(diff)
     kk = jnp.einsum("bhik,bhjk->bhij", ki, ki, precision=_HI)
     a = jnp.where(strict, bi[..., :, None] * kk * decay, 0.0)
-    eye = jnp.eye(c, dtype=jnp.float32)
     big_gam = jnp.exp(gam)
     rhs = jnp.concatenate([vi * bi[..., None], ki * (bi * big_gam)[..., None]], axis=-1)
-    sol = solve_triangular(eye + a, rhs, lower=True, unit_diagonal=True)
+    sol = _unit_lower_solve(a, rhs)                      # (eye + a)^-1 rhs
     u, wk = sol[..., :dv], sol[..., dv:]
     v_new = u - jnp.einsum("bhik,bhkv->bhiv", wk, s, precision=_HI)
     qk = jnp.einsum("bhik,bhjk->bhij", qi, ki, precision=_HI) * decay

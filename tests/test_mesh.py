@@ -205,3 +205,17 @@ def test_collectives_per_layer_in_the_compiled_step():
             assert shapes == sorted(want), ag
             counts[k, cfg.num_layers] = len(ar)
         assert counts[k, 6] - counts[k, 3] == 2 * 3        # two per added layer
+
+
+def test_reference_prefill_calls_no_lapack():
+    """The reference chunked delta rule must not call LAPACK's triangular solve: on the CPU it
+    waits for the shared intra-op pool from inside a pool thread, and two devices running it at
+    once (tp = 2 prefill) deadlocked the judge. Forward substitution in jnp instead."""
+    import pallas_kernels as pk
+    q = k = jnp.ones((1, 70, 2, 8), jnp.float32)
+    v = jnp.ones((1, 70, 2, 8), jnp.float32)
+    g = b = jnp.zeros((1, 70, 2), jnp.float32)
+    s = jnp.zeros((1, 2, 8, 8), jnp.float32)
+    hlo = pk.chunk_gated_delta_reference.lower(q, k, v, g, b, s).compile().as_text()
+    targets = re.findall(r'custom_call_target="([^"]*)"', hlo)
+    assert not [t for t in targets if "lapack" in t or "trsm" in t], targets
