@@ -530,6 +530,7 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
             "temperature": jc.temperature, "sample_temperature": jc.sample_temperature,
             "lanes": {w: plans[w][0] for w in plans}, "requests": {w: len(plans[w][1]) for w in plans},
             "page_size": jc.page_size, "busy_pages": pool.get("busy"),
+            "tp": jc.tp, "dp": jc.dp,
             "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
             "versions": {"jax": jax.__version__, "python": platform.python_version()},
             "compiled_programs": {f"{w}/k={kk}": e.stats().get("compiled_programs")
