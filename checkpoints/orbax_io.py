@@ -76,7 +76,6 @@ def restore_converted(path: str, meshes=None):
 
 
 def _restore_on_mesh(ckpt, folder: str, cfg: Config, abstract: Params, mesh) -> Params:
-    import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 

@@ -46,14 +46,6 @@ class DataParallelEngine:
         self.dtype = first.dtype
         self._routes: dict[int, tuple[int, int]] | None = None
 
-    @classmethod
-    def from_params(cls, cfg: Config, params: Params, *, dp: int, tp: int = 1,
-                    devices: Sequence | None = None, **kw) -> "DataParallelEngine":
-        """Replicas from standard-layout params (laid out on each replica's devices)."""
-        meshes = tensor_parallel.make_meshes(tp, dp, devices)
-        return cls([Engine(cfg, tensor_parallel.place_params(cfg, params, m), mesh=m, **kw)
-                    for m in meshes])
-
     @property
     def dp(self) -> int:
         return len(self.replicas)
