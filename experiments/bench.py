@@ -308,19 +308,6 @@ def step_bytes(cfg: Config, params: Params, cache: model.Cache, program: str, ba
 # The step programs
 # --------------------------------------------------------------------------------------------
 
-def _on_mesh(body, cfg: Config, mesh, params, cache, *rest):
-    """body(cfg, params, cache, *rest) -> (tokens, cache), under shard_map on a tp mesh."""
-    if mesh is None:
-        return body(cfg, params, cache, *rest)
-    tp = tensor_parallel.mesh_tp(mesh)
-    cs = tensor_parallel.cache_specs(cache)
-    rep = jax.sharding.PartitionSpec()
-    f = tensor_parallel.spmd(partial(body, tensor_parallel.shard_config(cfg, tp)), mesh,
-                             (tensor_parallel.param_specs(cfg, tp), cs) + (rep,) * len(rest),
-                             (rep, cs))
-    return f(params, cache, *rest)
-
-
 def _target_body(cfg, params, cache, tokens, start, page_table, kernels):
     B, T = tokens.shape
     seg = _segment(start, T, page_table)
@@ -343,16 +330,17 @@ def target_step(cfg: Config, params: Params, cache: model.Cache, tokens, start, 
     page_table: i32[B, pages_per_lane] for a paged cache, None for a contiguous one.
     mesh: a tensor-parallel mesh the params and cache are laid out on (tensor_parallel.py).
     """
-    return _on_mesh(partial(_target_body, kernels=kernels), cfg, mesh, params, cache, tokens,
-                    start, page_table)
+    return tensor_parallel.on_mesh(partial(_target_body, kernels=kernels), cfg, mesh, params,
+                                   cache, tokens, start, page_table, n_out=2, cache_at=1)
 
 
 @partial(jax.jit, static_argnames=("cfg", "kernels", "mesh"), donate_argnames=("cache",))
 def draft_step(cfg: Config, params: Params, cache: model.Cache, h_prev, tokens, start,
                page_table, *, kernels: str, mesh=None):
     """One MTP step over 1 token per lane + lm_head + greedy draft."""
-    return _on_mesh(partial(_draft_body, kernels=kernels), cfg, mesh, params, cache, h_prev,
-                    tokens, start, page_table)
+    return tensor_parallel.on_mesh(partial(_draft_body, kernels=kernels), cfg, mesh, params,
+                                   cache, h_prev, tokens, start, page_table, n_out=2,
+                                   cache_at=1)
 
 
 def _segment(start, T: int, page_table):

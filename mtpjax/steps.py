@@ -139,19 +139,6 @@ def move_lane(cache: Cache, state: LaneState, src, dst, *, mesh=None):
     return tp.spmd(body, mesh, (cs, P(), P(), P()), (cs, P()))(cache, state, src, dst)
 
 
-def _on_mesh(body, cfg: Config, mesh, params, cache, args, n_out: int):
-    """Run body(cfg, params, cache, state, *rest) as is (mesh None) or under shard_map with
-    the per-shard config: weights and caches by their tensor-parallel specs, the rest (lane
-    state, sampling settings, page tables) replicated; outputs: cache sharded, rest replicated."""
-    if mesh is None:
-        return body(cfg, params, cache, *args)
-    n = tp.mesh_tp(mesh)
-    cs = tp.cache_specs(cache)
-    f = tp.spmd(partial(body, tp.shard_config(cfg, n)), mesh,
-                (tp.param_specs(cfg, n), cs) + (P(),) * len(args), (cs,) + (P(),) * (n_out - 1))
-    return f(params, cache, *args)
-
-
 @partial(jax.jit, static_argnames=("cfg", "k", "kernels", "mesh"),
          donate_argnames=("cache", "state"))
 def prefill_chunk(cfg: Config, params: Params, cache: Cache, state: LaneState,
@@ -169,9 +156,9 @@ def prefill_chunk(cfg: Config, params: Params, cache: Cache, state: LaneState,
     mesh: a tensor-parallel mesh (tensor_parallel.py) with params and cache laid out on it,
     or None (one device).
     """
-    return _on_mesh(partial(_prefill_body, k=k, kernels=kernels), cfg, mesh, params, cache,
-                    (state, lanes, lane, tokens, next_tokens, start, n_valid, is_last,
-                     page_table), 3)
+    return tp.on_mesh(partial(_prefill_body, k=k, kernels=kernels), cfg, mesh, params, cache,
+                      state, lanes, lane, tokens, next_tokens, start, n_valid, is_last,
+                      page_table, n_out=3)
 
 
 def _prefill_body(cfg: Config, params: Params, cache: Cache, state: LaneState, lanes, lane,
@@ -217,8 +204,8 @@ def decode_step(cfg: Config, params: Params, cache: Cache, state: LaneState,
     Returns (cache, state, tokens i32[B, k+1] (-1 past the emitted ones), n_accepted i32[B]).
     mesh: as in prefill_chunk.
     """
-    return _on_mesh(partial(_decode_body, k=k, kernels=kernels), cfg, mesh, params, cache,
-                    (state, lanes, active, page_table), 4)
+    return tp.on_mesh(partial(_decode_body, k=k, kernels=kernels), cfg, mesh, params, cache,
+                      state, lanes, active, page_table, n_out=4)
 
 
 def _decode_body(cfg: Config, params: Params, cache: Cache, state: LaneState, lanes, active,

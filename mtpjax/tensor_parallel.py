@@ -37,6 +37,7 @@ tokens).
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 from typing import Sequence
 
 import jax
@@ -258,6 +259,22 @@ def sharded_cache(cfg: Config, mesh: Mesh | None, make):
     local = shard_config(cfg, mesh_tp(mesh))
     fn = lambda: make(local)
     return jax.jit(spmd(fn, mesh, (), cache_specs(jax.eval_shape(fn))))()
+
+
+def on_mesh(body, cfg: Config, mesh: Mesh | None, params, cache, *rest, n_out: int,
+            cache_at: int = 0):
+    """body(cfg, params, cache, *rest) -> n_out outputs, one of them (at cache_at) the cache:
+    as is (mesh None), or under shard_map with the per-shard config: weights and caches by
+    their tensor-parallel specs, everything else (lane state, sampling settings, tokens, page
+    tables) replicated in and out."""
+    if mesh is None:
+        return body(cfg, params, cache, *rest)
+    tp = mesh_tp(mesh)
+    cs = cache_specs(cache)
+    outs = tuple(cs if i == cache_at else P() for i in range(n_out))
+    f = spmd(partial(body, shard_config(cfg, tp)), mesh,
+             (param_specs(cfg, tp), cs) + (P(),) * len(rest), outs)
+    return f(params, cache, *rest)
 
 
 def spmd(fn, mesh: Mesh, in_specs, out_specs):
