@@ -11,19 +11,27 @@ one leaf, see params.py), so peak host memory stays near the largest
 tensor (2.5 GB for 27B's embedding), not the 55 GB model. Each tensor's stored dtype is
 respected (real checkpoints mix F32 and BF16) before the cast to the requested dtype; A_log stays
 float32 (see params.FLOAT32_LEAVES).
+
+FP8 checkpoints (config.json `quantization_config`, see mtpjax/quant.py): Qwen's block-wise
+`fp8` (`*.weight` float8_e4m3fn + `*.weight_scale_inv` per 128 x 128 block) and
+compressed-tensors FP8 (`*.weight_scale` per output channel, per tensor or per block). Every
+FP8 tensor's scale is checked (present, right shape) before it is used. `weights` picks what
+the linears become: "auto" keeps what is stored, "fp8" quantizes dense linears per tensor at
+load (quant.quantize), "dense" dequantizes; `mtp_weights` does the same for the MTP head
+("auto": as stored, except dense when `weights="fp8"` quantizes a dense checkpoint).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Sequence
+from typing import NamedTuple, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from safetensors import safe_open
-
+from checkpoints.safetensors_io import FP8_DTYPES, SafetensorsFile
+from mtpjax import quant
 from mtpjax.config import Config
 from mtpjax.params import (Params, TensorSpec, abstract_params, hf_tensor_map, leaf_dtype,
                            leaf_shapes, replace_path)
@@ -33,7 +41,7 @@ IGNORED_PREFIXES = ("model.visual.", "visual.")
 TOP_LEVEL = ("lm_head.weight",)
 
 
-class CheckpointError(ValueError):
+class CheckpointError(quant.QuantError):
     """A checkpoint that does not match its config; the message names the tensor."""
 
 
@@ -59,10 +67,60 @@ def safetensors_files(path: str) -> dict[str, str]:
     out = {}
     for fname in files:
         fpath = os.path.join(path, fname)
-        with safe_open(fpath, framework="numpy") as f:
-            for name in f.keys():
-                out[name] = fpath
+        for name in SafetensorsFile(fpath).keys():
+            out[name] = fpath
     return out
+
+
+class FileSource:
+    """Tensors of a checkpoint folder: name -> (stored dtype, shape, array on demand)."""
+
+    def __init__(self, path: str):
+        self._files = safetensors_files(path)
+        self._open: dict[str, SafetensorsFile] = {}
+
+    def _f(self, name: str) -> SafetensorsFile:
+        fpath = self._files[name]
+        if fpath not in self._open:
+            self._open[fpath] = SafetensorsFile(fpath)
+        return self._open[fpath]
+
+    def names(self) -> list[str]:
+        return list(self._files)
+
+    def dtype(self, name: str) -> str:
+        return self._f(name).dtype(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._f(name).shape(name)
+
+    def get(self, name: str) -> np.ndarray:
+        return self._f(name).get(name)
+
+
+_ST_NAMES = {np.dtype(np.float32): "F32", np.dtype(np.float64): "F64",
+             np.dtype(np.float16): "F16", np.dtype(jnp.bfloat16): "BF16",
+             np.dtype(quant.FP8): "F8_E4M3"}
+
+
+class DictSource:
+    """Tensors held in memory ({HF name: array}, e.g. hf_writer.hf_state_dict): lets
+    `build_params` quantize params already in memory exactly as the loader does."""
+
+    def __init__(self, tensors: dict[str, np.ndarray]):
+        self._t = tensors
+
+    def names(self) -> list[str]:
+        return list(self._t)
+
+    def dtype(self, name: str) -> str:
+        return _ST_NAMES.get(np.dtype(self._t[name].dtype), str(self._t[name].dtype))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self._t[name].shape)
+
+    def get(self, name: str) -> np.ndarray:
+        return np.asarray(self._t[name])
 
 
 def canonical_name(name: str) -> str | None:
@@ -77,14 +135,33 @@ def canonical_name(name: str) -> str | None:
     return name  # reported as unknown by the caller
 
 
-def plan(cfg: Config, files: dict[str, str]) -> list[tuple[TensorSpec, str, str]]:
-    """Match checkpoint tensors to specs; raise CheckpointError on missing/unknown ones."""
-    specs = {s.name: s for s in hf_tensor_map(cfg)}
-    found: dict[str, tuple[str, str]] = {}
+SCALE_SUFFIXES = ("weight_scale_inv", "weight_scale")
+SKIPPED_SUFFIXES = ("input_scale",)   # static activation scales: weight-only FP8 needs none
+
+
+class Entry(NamedTuple):
+    spec: TensorSpec
+    name: str                 # name in the checkpoint
+    scale: str | None         # its FP8 scale tensor, when stored as FP8
+
+
+def plan(cfg: Config, src, split_ba: bool = False,
+         scheme: quant.Scheme | None = None) -> list[Entry]:
+    """Match checkpoint tensors to specs; raise CheckpointError on missing/unknown ones, and
+    on FP8 tensors without their scale (or scales without their FP8 tensor)."""
+    specs = {s.name: s for s in hf_tensor_map(cfg, split_ba)}
+    found: dict[str, str] = {}
+    scales: dict[str, str] = {}
     unknown = []
-    for name, fpath in files.items():
+    for name in src.names():
         canon = canonical_name(name)
         if canon is None:
+            continue
+        base, _, suffix = canon.rpartition(".")
+        if suffix in SKIPPED_SUFFIXES:
+            continue
+        if suffix in SCALE_SUFFIXES:
+            scales[base + ".weight"] = name
             continue
         if canon == "lm_head.weight" and cfg.tie_word_embeddings:
             continue  # tied: the embedding is the head; a stored copy is redundant
@@ -95,18 +172,48 @@ def plan(cfg: Config, files: dict[str, str]) -> list[tuple[TensorSpec, str, str]
             unknown.append(name)
             continue
         if canon in found:
-            raise CheckpointError(f"tensor '{name}': stored twice (also as '{found[canon][0]}')")
-        found[canon] = (name, fpath)
+            raise CheckpointError(f"tensor '{name}': stored twice (also as '{found[canon]}')")
+        found[canon] = name
     if unknown:
         raise CheckpointError(f"unknown tensor '{unknown[0]}' (and {len(unknown) - 1} more) not "
                               "in a Qwen3.5 checkpoint with this config")
     missing = [n for n in specs if n not in found]
     if missing:
         raise CheckpointError(f"missing tensor '{missing[0]}' (and {len(missing) - 1} more)")
-    return [(specs[n], *found[n]) for n in specs]
+    out = []
+    for canon, spec in specs.items():
+        name = found[canon]
+        fp8 = src.dtype(name) in FP8_DTYPES
+        scale = scales.pop(canon, None)
+        if fp8:
+            if scheme is None:
+                raise CheckpointError(f"tensor '{name}': stored as FP8 but config.json has no "
+                                      "quantization_config")
+            want = name[:-len("weight")] + scheme.scale_suffix
+            if scale is None or scale != want:
+                raise CheckpointError(f"tensor '{name}': stored as FP8 but its scale '{want}' "
+                                      "is missing")
+        elif scale is not None:
+            raise CheckpointError(f"tensor '{scale}': a scale for '{name}', which is not stored "
+                                  f"as FP8 ({src.dtype(name)})")
+        out.append(Entry(spec, name, scale if fp8 else None))
+    if scales:
+        extra = next(iter(scales.values()))
+        raise CheckpointError(f"tensor '{extra}': a scale for a weight this checkpoint does not "
+                              "have")
+    return out
 
 
-def load_params(cfg: Config, path: str, dtype="float32", meshes: Sequence | None = None):
+def read_config(path: str) -> dict:
+    cfg_path = os.path.join(path, "config.json")
+    if not os.path.exists(cfg_path):
+        return {}
+    with open(cfg_path) as f:
+        return json.load(f)
+
+
+def load_params(cfg: Config, path: str, dtype="float32", meshes: Sequence | None = None,
+                weights: str = "auto", mtp_weights: str = "auto"):
     """Read every tensor of the checkpoint at `path` into a Params tree of `dtype`.
 
     meshes: None -> one Params on the default device. Else a list of tensor-parallel meshes
@@ -114,52 +221,149 @@ def load_params(cfg: Config, path: str, dtype="float32", meshes: Sequence | None
     each leaf laid out on its mesh (tensor_parallel.place_leaf): every device receives only its
     shard, and each checkpoint tensor is read once whatever the number of replicas.
 
+    weights / mtp_weights: "auto" | "fp8" | "dense", see the module docstring.
+
     Leaves are assembled one at a time on the host (a fused leaf from its row ranges) and
     placed as soon as they are complete, so peak host memory is about one leaf plus one tensor
     (2.5 GB for 27B's embedding), never the model.
     """
+    scheme = quant.scheme_from_config(read_config(path))
+    return build_params(cfg, FileSource(path), dtype, meshes, weights, mtp_weights, scheme)
+
+
+def _leaf_mode(path: tuple, weights: str, mtp_weights: str) -> str:
+    """"fp8" | "dense" | "auto" (as stored) for one leaf."""
+    if path[-1] not in quant.FP8_LEAVES:
+        return "dense"
+    if path[0] == "mtp":
+        if mtp_weights != "auto":
+            return mtp_weights
+        return "dense" if weights == "fp8" else weights
+    return weights
+
+
+def build_params(cfg: Config, src, dtype="float32", meshes: Sequence | None = None,
+                 weights: str = "auto", mtp_weights: str = "auto",
+                 scheme: quant.Scheme | None = None):
+    """load_params over any tensor source (FileSource, DictSource)."""
     from mtpjax import tensor_parallel
-    files = safetensors_files(path)
-    entries = plan(cfg, files)
-    shapes = leaf_shapes(cfg)
-    parts_left: dict[tuple, int] = {}
-    for spec, _, _ in entries:
-        parts_left[spec.path] = parts_left.get(spec.path, 0) + 1
+    quant.check_weights_option(weights, mtp_weights)
     targets = [None] if meshes is None else list(meshes)
-    trees = [abstract_params(cfg, dtype) for _ in targets]
-    building: dict[tuple, np.ndarray] = {}
-    handles: dict[str, object] = {}
-    try:
-        for spec, name, fpath in entries:
-            if fpath not in handles:
-                handles[fpath] = safe_open(fpath, framework="numpy").__enter__()
-            f = handles[fpath]
-            stored = f.get_slice(name).get_shape()
-            if tuple(stored) != spec.shape:
-                raise CheckpointError(f"tensor '{name}': shape {tuple(stored)} but the config "
-                                      f"implies {spec.shape}")
-            host = f.get_tensor(name)
-            want = leaf_dtype(spec.path, dtype)
-            if not (np.issubdtype(host.dtype, np.floating) or host.dtype == jnp.bfloat16):
-                raise CheckpointError(f"tensor '{name}': stored dtype {host.dtype} is not a float")
-            if spec.rows is None:
-                leaf = host.astype(want, copy=False)
+    prelim = plan(cfg, src, False, scheme) if weights == "auto" else None
+    if weights == "fp8":
+        split_ba = True
+    elif weights == "auto":
+        split_ba = any(e.scale is not None and e.spec.name.endswith("in_proj_qkv.weight")
+                       for e in prelim)
+    else:
+        split_ba = False
+    entries = plan(cfg, src, split_ba, scheme) if split_ba or prelim is None else prelim
+    parts: dict[tuple, list[Entry]] = {}
+    for e in entries:
+        parts.setdefault(e.spec.path, []).append(e)
+    fp8_leaves = {p for p, es in parts.items() if _leaf_fp8(p, es, weights, mtp_weights)}
+    if fp8_leaves:
+        for m in targets:
+            if m is not None and m.shape[tensor_parallel.TP_AXIS] > 1:
+                raise tensor_parallel.ShardingError(
+                    "FP8 weights under tensor parallelism (tp > 1) are not supported yet; use "
+                    "tp=1 (an FP8 27B fits one H200) or weights='dense'")
+    shapes = leaf_shapes(cfg, split_ba)
+    trees = [abstract_params(cfg, dtype, frozenset(fp8_leaves)) for _ in targets]
+    for path, es in parts.items():
+        if path in fp8_leaves:
+            pieces = [_fp8_part(src, e, scheme) for e in es]
+            q, scale, block = quant.fuse(pieces) if len(pieces) > 1 else pieces[0]
+            leaf = quant.Fp8Weight(q, scale, block)
+            del pieces
+            placed = [_place_fp8(m, leaf) for m in targets]
+        else:
+            want = leaf_dtype(path, dtype)
+            if es[0].spec.rows is None:
+                host = _dense_part(src, es[0], scheme, want)
             else:
-                if spec.path not in building:
-                    building[spec.path] = np.empty(shapes[spec.path], want)
-                building[spec.path][spec.rows[0]:spec.rows[1]] = host
-                leaf = building[spec.path]
+                host = np.empty(shapes[path], want)
+                for e in es:
+                    host[e.spec.rows[0]:e.spec.rows[1]] = _dense_part(src, e, scheme, want)
+            placed = [tensor_parallel.place_leaf(cfg, m, path, host) for m in targets]
             del host
-            parts_left[spec.path] -= 1
-            if parts_left[spec.path] == 0:
-                building.pop(spec.path, None)
-                trees = [replace_path(t, spec.path,
-                                      tensor_parallel.place_leaf(cfg, m, spec.path, leaf))
-                         for t, m in zip(trees, targets)]
-            del leaf
-    finally:
-        for h in handles.values():
-            h.__exit__(None, None, None)
+        trees = [replace_path(t, path, x) for t, x in zip(trees, placed)]
     if cfg.tie_word_embeddings:
         trees = [replace_path(t, ("lm_head",), None) for t in trees]
     return trees[0] if meshes is None else trees
+
+
+def _leaf_fp8(path: tuple, es: list[Entry], weights: str, mtp_weights: str) -> bool:
+    mode = _leaf_mode(path, weights, mtp_weights)
+    if mode == "auto":
+        return all(e.scale is not None for e in es)
+    return mode == "fp8"
+
+
+def _checked(src, e: Entry) -> np.ndarray:
+    stored = src.shape(e.name)
+    if tuple(stored) != e.spec.shape:
+        raise CheckpointError(f"tensor '{e.name}': shape {tuple(stored)} but the config "
+                              f"implies {e.spec.shape}")
+    host = src.get(e.name)
+    if not (np.issubdtype(host.dtype, np.floating) or host.dtype in (jnp.bfloat16, quant.FP8)):
+        raise CheckpointError(f"tensor '{e.name}': stored dtype {host.dtype} is not a float")
+    return host
+
+
+def _scale(src, e: Entry, scheme: quant.Scheme) -> tuple[np.ndarray, tuple[int, int]]:
+    """The FP8 tensor's scale as float32 [nbo, nbi] and its block, checked against its shape."""
+    shape = e.spec.shape
+    if len(shape) != 2:
+        raise CheckpointError(f"tensor '{e.name}': FP8 is only supported for 2-D weights, got "
+                              f"shape {shape}")
+    s = np.asarray(src.get(e.scale))
+    want = scheme.scale_shape(shape)
+    if scheme.strategy == "tensor" and s.size == 1:
+        s = s.reshape(1, 1)
+    if tuple(s.shape) != want:
+        raise CheckpointError(f"tensor '{e.scale}': shape {tuple(s.shape)}, but weight "
+                              f"'{e.name}' {list(shape)} with {scheme.strategy} scales "
+                              f"{scheme.block_for(shape)} needs {want}")
+    s = s.astype(np.float32)
+    if not np.all(np.isfinite(s)):
+        raise CheckpointError(f"tensor '{e.scale}': non-finite scales")
+    return s, scheme.block_for(shape)
+
+
+def _fp8_part(src, e: Entry, scheme):
+    """(q, scale, block) of one checkpoint tensor: as stored, or quantized per tensor."""
+    host = _checked(src, e)
+    if e.scale is not None:
+        s, block = _scale(src, e, scheme)
+        return np.ascontiguousarray(host), s, block
+    return (*quant.quantize(host.astype(np.float32), quant.DEFAULT_BLOCK), quant.DEFAULT_BLOCK)
+
+
+def _dense_part(src, e: Entry, scheme, want) -> np.ndarray:
+    host = _checked(src, e)
+    if e.scale is not None:
+        s, block = _scale(src, e, scheme)
+        return quant.dequantize(host, s, block).astype(want)
+    return host.astype(want, copy=False)
+
+
+def _place_fp8(mesh, leaf: quant.Fp8Weight) -> quant.Fp8Weight:
+    if mesh is None:
+        put = jax.device_put
+    else:
+        from jax.sharding import NamedSharding, PartitionSpec
+        sharding = NamedSharding(mesh, PartitionSpec())
+        put = lambda x: jax.device_put(x, sharding)
+    return quant.Fp8Weight(put(leaf.q), put(leaf.scale), leaf.block)
+
+
+def quantize_params(cfg: Config, params: Params, weights: str = "fp8",
+                    mtp_weights: str = "auto") -> Params:
+    """In-memory dense Params with their linears made FP8, exactly as
+    `load_params(weights=..., mtp_weights=...)` loads a dense checkpoint holding them."""
+    from checkpoints.hf_writer import hf_state_dict
+    dtype = params.embed.dtype
+    tensors = hf_state_dict(cfg, params, "float32", layout="text")
+    return build_params(cfg, DictSource(tensors), str(np.dtype(dtype)), None, weights,
+                        mtp_weights)

@@ -12,7 +12,13 @@ Two layouts, matching what the loader accepts:
   config.json of `model_type: qwen3_5_text`.
 
 In both, `lm_head.weight` is written only when the embeddings are not tied, and the MTP head is
-stored under `mtp.*`. A_log stays float32 (real checkpoints store it so; a bf16 A_log loses the
+stored under `mtp.*`.
+
+`quantization` writes an FP8 checkpoint (mtpjax/quant.py): quant.QWEN_FP8 (Qwen's release:
+`weight_scale_inv` per 128 x 128 block) or quant.COMPRESSED_FP8_DYNAMIC (llm-compressor:
+`weight_scale` per output channel), each of the linears Qwen quantizes stored as
+float8_e4m3fn plus its scale, the MTP linears too when `quantize_mtp`, and config.json's
+`quantization_config` naming what stays dense. A_log stays float32 (real checkpoints store it so; a bf16 A_log loses the
 decay rate, spec gotcha 11/15); every other tensor is stored in `dtype`.
 """
 
@@ -27,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from safetensors.numpy import save_file
 
+from mtpjax import quant
 from mtpjax.config import Config
 from mtpjax.params import FLOAT32_LEAVES, Params, get_path, hf_tensor_map
 
@@ -55,9 +62,19 @@ def hf_config(cfg: Config, layout: str = "wrapper") -> dict[str, Any]:
     return out
 
 
+def fp8_tensor(name: str, quantize_mtp: bool) -> bool:
+    """Whether a quantized checkpoint stores this HF tensor in FP8 (Qwen's set, see quant.py)."""
+    if name.startswith("mtp.") and not quantize_mtp:
+        return False
+    return name.endswith(quant.FP8_TENSORS)
+
+
 def hf_state_dict(cfg: Config, params: Params, dtype: str = "bfloat16",
-                  layout: str = "wrapper") -> dict[str, np.ndarray]:
-    """HF tensor name -> host array, in `hf_tensor_map` order."""
+                  layout: str = "wrapper", quantization: quant.Scheme | None = None,
+                  quantize_mtp: bool = False, scale_dtype: str = "float32"
+                  ) -> dict[str, np.ndarray]:
+    """HF tensor name -> host array, in `hf_tensor_map` order (FP8 weights followed by their
+    scale when `quantization` is given)."""
     if dtype not in _DTYPES:
         raise ValueError(f"dtype must be one of {tuple(_DTYPES)}, got {dtype!r}")
     if layout not in LAYOUTS:
@@ -77,17 +94,37 @@ def hf_state_dict(cfg: Config, params: Params, dtype: str = "bfloat16",
         if tuple(x.shape) != spec.shape:
             raise ValueError(f"tensor '{spec.name}': params shape {tuple(x.shape)} but the config "
                              f"implies {spec.shape}")
-        want = np.float32 if spec.path[-1] in FLOAT32_LEAVES else _DTYPES[dtype]
-        x = np.ascontiguousarray(x.astype(want))
         top_level = spec.name.startswith("mtp.") or spec.name == "lm_head.weight"
-        out[spec.name if top_level else prefix + spec.name] = x
+        name = spec.name if top_level else prefix + spec.name
+        if quantization is not None and fp8_tensor(spec.name, quantize_mtp):
+            q, scale = quant.quantize(x.astype(np.float32), quantization.block_for(x.shape))
+            out[name] = q
+            out[name[:-len("weight")] + quantization.scale_suffix] = scale.astype(
+                _DTYPES[scale_dtype])
+            continue
+        want = np.float32 if spec.path[-1] in FLOAT32_LEAVES else _DTYPES[dtype]
+        out[name] = np.ascontiguousarray(x.astype(want))
+    return out
+
+
+def not_converted(cfg: Config, quantize_mtp: bool, layout: str = "wrapper") -> list[str]:
+    """Module names (as stored) of the linears a quantized checkpoint keeps dense."""
+    out = ["lm_head"] if not cfg.tie_word_embeddings else []
+    for spec in hf_tensor_map(cfg):
+        if spec.name.endswith((".in_proj_a.weight", ".in_proj_b.weight")):
+            out.append(TEXT_PREFIX[layout] + spec.name[:-len(".weight")])
+        elif (spec.name.startswith("mtp.") and len(spec.shape) == 2 and not quantize_mtp
+              and spec.name.endswith(quant.FP8_TENSORS)):
+            out.append(spec.name[:-len(".weight")])
     return out
 
 
 def save_hf_checkpoint(path: str, cfg: Config, params: Params, dtype: str = "bfloat16",
                        tokenizer_json: str | None = None,
                        generation_config: Mapping[str, Any] | None = None,
-                       layout: str = "wrapper") -> dict[str, str]:
+                       layout: str = "wrapper", quantization: quant.Scheme | None = None,
+                       quantize_mtp: bool = False, scale_dtype: str = "float32"
+                       ) -> dict[str, str]:
     """Write config.json + model.safetensors (+ tokenizer.json, generation_config.json).
 
     tokenizer_json: a path to a tokenizer.json to copy, or the JSON text itself.
@@ -95,7 +132,7 @@ def save_hf_checkpoint(path: str, cfg: Config, params: Params, dtype: str = "bfl
     """
     os.makedirs(path, exist_ok=True)
     written = {}
-    tensors = hf_state_dict(cfg, params, dtype, layout)
+    tensors = hf_state_dict(cfg, params, dtype, layout, quantization, quantize_mtp, scale_dtype)
     st_path = os.path.join(path, "model.safetensors")
     save_file(tensors, st_path, metadata={"format": "pt"})
     written["model.safetensors"] = st_path
@@ -103,6 +140,11 @@ def save_hf_checkpoint(path: str, cfg: Config, params: Params, dtype: str = "bfl
     with open(cfg_path, "w") as f:
         conf = hf_config(cfg, layout)
         conf["torch_dtype"] = dtype
+        if quantization is not None:
+            import dataclasses
+            scheme = dataclasses.replace(quantization,
+                                         not_converted=tuple(not_converted(cfg, quantize_mtp, layout)))
+            conf["quantization_config"] = quant.scheme_config(scheme)
         json.dump(conf, f, indent=2)
         f.write("\n")
     written["config.json"] = cfg_path

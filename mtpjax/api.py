@@ -14,24 +14,36 @@ from mtpjax.params import Params
 DTYPES = ("float32", "bfloat16")
 
 
-def load_checkpoint(path: str, dtype: str = "float32", meshes=None):
+def load_checkpoint(path: str, dtype: str = "float32", meshes=None, weights: str = "auto",
+                    mtp_weights: str = "auto"):
     """(cfg, params) from an HF checkpoint folder or an orbax folder made by `convert`.
 
     meshes: None (params on the default device), or a list of tensor-parallel meshes
     (`tensor_parallel.make_meshes`) -> (cfg, [params laid out on each mesh]); each leaf goes
     from the files to its shards one leaf at a time (see checkpoints.hf_loader.load_params).
+    weights / mtp_weights: "auto" (what the checkpoint stores), "fp8" (quantize the linears
+    at load time; the MTP head stays dense unless mtp_weights="fp8") or "dense"
+    (see mtpjax/quant.py).
     """
     from checkpoints import is_orbax_checkpoint, load_params, restore_converted
+    from mtpjax import quant
     if dtype not in DTYPES:
         raise ValueError(f"dtype must be one of {DTYPES}, got {dtype!r}")
-    if is_orbax_checkpoint(path):
+    quant.check_weights_option(weights, mtp_weights)
+    if is_orbax_checkpoint(path):      # converted folders hold dense params
         cfg, params, stored = restore_converted(path, meshes)
         if stored != dtype:
             cast = lambda p: cast_params(p, dtype)
             params = cast(params) if meshes is None else [cast(p) for p in params]
+        if weights == "fp8" or mtp_weights == "fp8":
+            from checkpoints.hf_loader import quantize_params
+            if meshes is not None:
+                raise ValueError("quantizing an orbax checkpoint at load time works on one "
+                                 "device (meshes=None); load the HF checkpoint instead")
+            params = quantize_params(cfg, params, weights, mtp_weights)
         return cfg, params
     cfg = Config.from_pretrained(path)
-    return cfg, load_params(cfg, path, dtype, meshes)
+    return cfg, load_params(cfg, path, dtype, meshes, weights, mtp_weights)
 
 
 def cast_params(params: Params, dtype: str) -> Params:

@@ -37,7 +37,7 @@ import numpy as np
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mtpjax import model, steps, tensor_parallel
+from mtpjax import model, quant, steps, tensor_parallel
 from mtpjax.config import Config
 from mtpjax.gdn import check_kernels
 from mtpjax.kv_pool import OutOfPagesError, PageAllocator, pages_for
@@ -117,13 +117,16 @@ class Engine:
         if kernels == "pallas" and page_size & (page_size - 1):
             raise ValueError(f"the Triton paged-attention kernel needs a power-of-two "
                              f"page_size, got {page_size}")
+        if quant.has_fp8(params):          # the FP8 matmul follows the kernels choice
+            tensor_parallel.check_fp8(params, tp if mesh is None else tensor_parallel.mesh_tp(mesh))
+            params = quant.set_impl(params, kernels)
         if mesh is None:
             mesh = tensor_parallel.make_meshes(tp, 1, devices)[0]
             params = tensor_parallel.place_params(cfg, params, mesh)
         elif tp not in (1, tensor_parallel.mesh_tp(mesh)):
             raise ValueError(f"tp={tp} but the given mesh has {tensor_parallel.mesh_tp(mesh)} "
                              "devices on its tp axis")
-        else:
+        elif not quant.has_fp8(params):
             _check_placed(cfg, params, mesh)
         tensor_parallel.check_tp(cfg, tensor_parallel.mesh_tp(mesh))
         self.mesh, self.tp = mesh, tensor_parallel.mesh_tp(mesh)
@@ -159,7 +162,8 @@ class Engine:
 
     @classmethod
     def from_checkpoint(cls, path: str, dtype: str = "float32", num_speculative_tokens: int = 0,
-                        tp: int = 1, dp: int = 1, devices: Sequence | None = None, **kw):
+                        tp: int = 1, dp: int = 1, devices: Sequence | None = None,
+                        weights: str = "auto", mtp_weights: str = "auto", **kw):
         """Load a checkpoint onto tp x dp devices; kw (kernels, page_size, num_pages,
         max_lanes, ...) go to each Engine.
 
@@ -167,14 +171,17 @@ class Engine:
         tensor_parallel.py); dp: data-parallel replicas, each with its own lanes and page pool
         (dp > 1 returns a `data_parallel.DataParallelEngine`, which has the Engine interface).
         Each checkpoint tensor is read once and sent straight to its shards.
+        weights: "auto" (as stored: an FP8 checkpoint loads FP8), "fp8" (quantize the linears
+        block-wise at load time) or "dense"; mtp_weights: the MTP head's, "auto" = as stored,
+        dense when weights="fp8" (see mtpjax/quant.py).
         """
         from mtpjax.api import load_checkpoint
         meshes = tensor_parallel.make_meshes(tp, dp, devices)
         if meshes == [None]:
-            cfg, params = load_checkpoint(path, dtype)
+            cfg, params = load_checkpoint(path, dtype, None, weights, mtp_weights)
             return cls(cfg, params, num_speculative_tokens=num_speculative_tokens, **kw)
         tensor_parallel.check_tp(_peek_config(path), tp)     # before reading any weight
-        cfg, trees = load_checkpoint(path, dtype, meshes)
+        cfg, trees = load_checkpoint(path, dtype, meshes, weights, mtp_weights)
         engines = [cls(cfg, p, num_speculative_tokens=num_speculative_tokens, mesh=m, **kw)
                    for p, m in zip(trees, meshes)]
         if dp == 1:

@@ -45,6 +45,7 @@ import pallas_kernels as pk
 from mtpjax import gdn as gdn_math
 from mtpjax.config import FULL, Config
 from mtpjax.params import FullLayer, GdnParams, LinearLayer, MlpParams, Params, AttnParams
+from mtpjax.quant import Fp8Weight, fp8_dense
 
 
 def _pytree(cls=None, *, static=()):
@@ -230,7 +231,10 @@ def put_slots(tree, lane0, sub):
 # --------------------------------------------------------------------------------------------
 
 def dense(x, w):
-    """y = x @ w.T with w stored [out, in]; f32 accumulation, one rounding to x's dtype."""
+    """y = x @ w.T with w stored [out, in]; f32 accumulation, one rounding to x's dtype.
+    An FP8 weight (quant.Fp8Weight) is read as FP8 by the block-scaled matmul."""
+    if isinstance(w, Fp8Weight):
+        return fp8_dense(x, w)
     return jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32).astype(x.dtype)
 
 
@@ -260,6 +264,8 @@ def row_parallel(cfg: Config, x, w):
     GEMM's float32 accumulation, in another order). Without tp it is dense."""
     if cfg.tp_axis is None:
         return dense(x, w)
+    if isinstance(w, Fp8Weight):
+        raise NotImplementedError("FP8 weights under tensor parallelism")  # tensor_parallel checks first
     y = jnp.einsum("...i,oi->...o", x, w, preferred_element_type=jnp.float32)
     return lax.psum(y, cfg.tp_axis).astype(x.dtype)
 
@@ -393,6 +399,8 @@ def gdn_block(cfg: Config, p: GdnParams, x, c: GdnCache, n_pend, seg: Segment, m
     cv = take_slots(c, seg.lane0, B)                               # the call's lanes
 
     proj = dense(x, p.in_proj)                                     # one GEMM over [qkv|z|b|a]
+    if p.in_proj_ba is not None:                                   # FP8 [qkv|z] + dense [b|a]
+        proj = jnp.concatenate([proj, dense(x, p.in_proj_ba)], axis=-1)
     mixed = proj[..., :cd]                                         # [B, T, CONV]
     z = proj[..., cd:cd + nv * dv].reshape(B, T, nv, dv)
     b = proj[..., cd + nv * dv:cd + nv * dv + nv]                  # [B, T, NV]

@@ -65,6 +65,9 @@ class GdnParams:
     dt_bias: jax.Array      # [NV]
     norm: jax.Array         # [DV]   plain weight (not 1+w)
     out_proj: jax.Array     # [H, NV*DV]
+    # [2*NV, H] rows [b | a], only when in_proj is FP8 (then in_proj is [qkv | z]): b and a
+    # stay in the model dtype (see quant.py). None otherwise.
+    in_proj_ba: jax.Array | None = None
 
 
 @_pytree
@@ -151,15 +154,18 @@ def _full_layer_specs(cfg: Config, prefix: str, path: tuple):
     yield from _mlp_specs(cfg, prefix, path)
 
 
-def _linear_layer_specs(cfg: Config, prefix: str, path: tuple):
+def _linear_layer_specs(cfg: Config, prefix: str, path: tuple, split_ba: bool = False):
     h, nv, dv = cfg.hidden_size, cfg.linear_num_value_heads, cfg.linear_value_head_dim
     yield from _norm_specs(cfg, prefix, path)
     g = path + ("gdn",)
     la = "linear_attn."
-    yield from _fused(prefix, g + ("in_proj",), [(la + "in_proj_qkv.weight", cfg.conv_dim, h),
-                                                 (la + "in_proj_z.weight", nv * dv, h),
-                                                 (la + "in_proj_b.weight", nv, h),
-                                                 (la + "in_proj_a.weight", nv, h)])
+    qkvz = [(la + "in_proj_qkv.weight", cfg.conv_dim, h), (la + "in_proj_z.weight", nv * dv, h)]
+    ba = [(la + "in_proj_b.weight", nv, h), (la + "in_proj_a.weight", nv, h)]
+    if split_ba:
+        yield from _fused(prefix, g + ("in_proj",), qkvz)
+        yield from _fused(prefix, g + ("in_proj_ba",), ba)
+    else:
+        yield from _fused(prefix, g + ("in_proj",), qkvz + ba)
     yield TensorSpec(prefix + la + "conv1d.weight", g + ("conv1d",), None,
                      (cfg.conv_dim, 1, cfg.linear_conv_kernel_dim))
     yield TensorSpec(prefix + la + "A_log", g + ("A_log",), None, (nv,))
@@ -169,17 +175,20 @@ def _linear_layer_specs(cfg: Config, prefix: str, path: tuple):
     yield TensorSpec(prefix + la + "out_proj.weight", g + ("out_proj",), None, (h, nv * dv))
 
 
-def hf_tensor_map(cfg: Config) -> Iterator[TensorSpec]:
+def hf_tensor_map(cfg: Config, split_ba: bool = False) -> Iterator[TensorSpec]:
     """Every tensor a Qwen3.5 text checkpoint (+ MTP) holds, in a canonical order.
 
     Names are relative to the text prefix for text tensors ("embed_tokens.weight", "layers.N...",
-    "norm.weight"); "lm_head.weight" and "mtp.*" are top-level names.
+    "norm.weight"); "lm_head.weight" and "mtp.*" are top-level names. split_ba: the GDN b and
+    a projections go to their own leaf `in_proj_ba` (FP8 layout, see quant.py).
     """
     h, v = cfg.hidden_size, cfg.vocab_size
     yield TensorSpec("embed_tokens.weight", ("embed",), None, (v, h))
     for i, kind in enumerate(cfg.layer_types):
-        specs = _full_layer_specs if kind == FULL else _linear_layer_specs
-        yield from specs(cfg, f"layers.{i}.", ("layers", i))
+        if kind == FULL:
+            yield from _full_layer_specs(cfg, f"layers.{i}.", ("layers", i))
+        else:
+            yield from _linear_layer_specs(cfg, f"layers.{i}.", ("layers", i), split_ba)
     yield TensorSpec("norm.weight", ("final_norm",), None, (h,))
     if not cfg.tie_word_embeddings:
         yield TensorSpec("lm_head.weight", ("lm_head",), None, (v, h))
@@ -192,10 +201,10 @@ def hf_tensor_map(cfg: Config) -> Iterator[TensorSpec]:
         yield TensorSpec("mtp.norm.weight", m + ("norm",), None, (h,))
 
 
-def leaf_shapes(cfg: Config) -> dict[tuple, tuple[int, ...]]:
+def leaf_shapes(cfg: Config, split_ba: bool = False) -> dict[tuple, tuple[int, ...]]:
     """Params leaf path -> leaf shape (fused leaves: the row ranges of their tensors summed)."""
     out: dict[tuple, tuple[int, ...]] = {}
-    for s in hf_tensor_map(cfg):
+    for s in hf_tensor_map(cfg, split_ba):
         if s.rows is None:
             out[s.path] = s.shape
         else:
@@ -208,15 +217,19 @@ def leaf_dtype(spec_path: tuple[str, ...], dtype) -> jnp.dtype:
     return jnp.dtype(jnp.float32) if spec_path[-1] in FLOAT32_LEAVES else jnp.dtype(dtype)
 
 
-def _build(cfg: Config, leaf_fn) -> Params:
+def _build(cfg: Config, leaf_fn, split_ba: bool = False) -> Params:
     """Assemble a Params tree; leaf_fn(path, shape) -> leaf, for every leaf path."""
-    leaves = {p: leaf_fn(p, s) for p, s in leaf_shapes(cfg).items()}
+    leaves = {p: leaf_fn(p, s) for p, s in leaf_shapes(cfg, split_ba).items()}
 
     def sub(prefix: tuple, cls):
         kw = {}
         for f in dataclasses.fields(cls):
             p = prefix + (f.name,)
-            kw[f.name] = leaves[p] if p in leaves else sub(p, _CHILD_TYPES[(cls, f.name)])
+            if p in leaves:
+                kw[f.name] = leaves[p]
+            elif (cls, f.name) in _CHILD_TYPES:
+                kw[f.name] = sub(p, _CHILD_TYPES[(cls, f.name)])
+            # else: an optional leaf this layout does not have (GdnParams.in_proj_ba)
         return cls(**kw)
 
     layers = tuple(sub(("layers", i), FullLayer if kind == FULL else LinearLayer)
@@ -237,9 +250,41 @@ _CHILD_TYPES = {
 }
 
 
-def abstract_params(cfg: Config, dtype="bfloat16") -> Params:
-    """ShapeDtypeStructs for every leaf: drives eval_shape, orbax restore and counting."""
-    return _build(cfg, lambda path, shape: jax.ShapeDtypeStruct(shape, leaf_dtype(path, dtype)))
+def fp8_paths(cfg: Config, weights: str = "dense", mtp_weights: str = "dense") -> frozenset:
+    """Leaf paths that hold an FP8 weight when quantizing at load time (quant.py's set):
+    weights "fp8" -> every linear of quant.FP8_LEAVES, the MTP head's only if mtp_weights is
+    "fp8"; "dense" -> none."""
+    from mtpjax.quant import FP8_LEAVES
+    if weights != "fp8":
+        return frozenset()
+    return frozenset(p for p in leaf_shapes(cfg, split_ba=True)
+                     if p[-1] in FP8_LEAVES and (p[0] != "mtp" or mtp_weights == "fp8"))
+
+
+def fp8_block(cfg: Config, path: tuple, split_ba: bool = True, block=None) -> tuple[int, int]:
+    """The block an FP8 leaf has after fusing its parts (quant.fuse): the checkpoint block if
+    every part but the last fills whole block rows, else one scale row per weight row."""
+    from mtpjax.quant import DEFAULT_BLOCK
+    bo, bi = block or DEFAULT_BLOCK
+    parts = [s for s in hf_tensor_map(cfg, split_ba) if s.path == path]
+    ok = all((s.rows is None or s.rows[1] - s.rows[0]) % bo == 0 for s in parts[:-1])
+    return (bo, bi) if ok else (1, bi)
+
+
+def abstract_params(cfg: Config, dtype="bfloat16", fp8: frozenset = frozenset()) -> Params:
+    """ShapeDtypeStructs for every leaf: drives eval_shape, orbax restore and counting.
+    fp8: leaf paths stored as quant.Fp8Weight (see fp8_paths), with 128 x 128 blocks."""
+    from mtpjax.quant import FP8, Fp8Weight
+    split = any(p[-1] == "in_proj" for p in fp8)
+
+    def leaf(path, shape):
+        if path not in fp8:
+            return jax.ShapeDtypeStruct(shape, leaf_dtype(path, dtype))
+        bo, bi = fp8_block(cfg, path, split)
+        return Fp8Weight(jax.ShapeDtypeStruct(shape, FP8),
+                         jax.ShapeDtypeStruct((-(-shape[0] // bo), -(-shape[1] // bi)),
+                                              jnp.float32), (bo, bi))
+    return _build(cfg, leaf, split)
 
 
 def init_params(cfg: Config, key: jax.Array, dtype="float32", scale: float = 0.02) -> Params:

@@ -44,6 +44,7 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from mtpjax import quant
 from mtpjax.config import Config
 from mtpjax.params import Params, _build, get_path, leaf_dtype, leaf_shapes, replace_path
 
@@ -74,6 +75,15 @@ def check_tp(cfg: Config, tp: int) -> None:
     split("linear_num_value_heads", cfg.linear_num_value_heads, False)
     split("linear_num_key_heads", cfg.linear_num_key_heads, True)
     split("intermediate_size", cfg.intermediate_size, False)
+
+
+def check_fp8(params, tp: int) -> None:
+    """FP8 weights (quant.Fp8Weight) are not split across devices yet: block scales straddle
+    shard boundaries for some layouts, and no GPU has checked the sharded kernel."""
+    if tp > 1 and quant.has_fp8(params):
+        raise ShardingError("FP8 weights under tensor parallelism (tp > 1) are not supported "
+                            "yet; use tp=1 (an FP8 27B fits one H200), dp for more devices, or "
+                            "weights='dense'")
 
 
 def heads_of_shard(n: int, tp: int, s: int) -> np.ndarray:
@@ -194,6 +204,9 @@ def place_params(cfg: Config, params: Params, mesh: Mesh | None) -> Params:
     """Lay a standard-layout Params tree out on the mesh, one leaf at a time."""
     if mesh is None:
         return params
+    check_fp8(params, mesh_tp(mesh))
+    if quant.has_fp8(params):     # tp = 1: the whole tree on the mesh's device
+        return jax.device_put(params, NamedSharding(mesh, P()))
     for path in leaf_shapes(cfg):
         leaf = get_path(params, path)
         host = np.asarray(jax.device_get(leaf))
@@ -272,8 +285,8 @@ def on_mesh(body, cfg: Config, mesh: Mesh | None, params, cache, *rest, n_out: i
     tp = mesh_tp(mesh)
     cs = cache_specs(cache)
     outs = tuple(cs if i == cache_at else P() for i in range(n_out))
-    f = spmd(partial(body, shard_config(cfg, tp)), mesh,
-             (param_specs(cfg, tp), cs) + (P(),) * len(rest), outs)
+    pspecs = param_specs(cfg, tp) if tp > 1 else jax.tree.map(lambda _: P(), params)
+    f = spmd(partial(body, shard_config(cfg, tp)), mesh, (pspecs, cs) + (P(),) * len(rest), outs)
     return f(params, cache, *rest)
 
 

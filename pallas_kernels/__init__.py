@@ -5,6 +5,7 @@ inputs with ``ValueError``s, and a plain-jnp ``*_reference`` with the same
 signature. Tuning knobs live in :mod:`pallas_kernels.tuned_block_sizes`.
 """
 
+from pallas_kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
 from pallas_kernels.gated_delta import (
     chunk_gated_delta,
     chunk_gated_delta_reference,
@@ -20,23 +21,31 @@ from pallas_kernels.paged_attention import (
     write_kv_reference,
 )
 from pallas_kernels.tuned_block_sizes import (
+    FP8_MATMUL_TABLE,
     GATED_DELTA_TABLE,
     PAGED_ATTENTION_TABLE,
+    Fp8MatmulTuning,
     GatedDeltaTuning,
     PagedAttentionTuning,
+    get_fp8_matmul_tuning,
     get_gated_delta_tuning,
     get_paged_attention_tuning,
 )
 
 __all__ = [
+    "FP8_MATMUL_TABLE",
     "GATED_DELTA_TABLE",
     "PAGED_ATTENTION_TABLE",
+    "Fp8MatmulTuning",
     "GatedDeltaTuning",
     "PagedAttentionTuning",
     "chunk_gated_delta",
     "chunk_gated_delta_reference",
+    "fp8_matmul",
+    "fp8_matmul_reference",
     "gated_delta_verify",
     "gated_delta_verify_reference",
+    "get_fp8_matmul_tuning",
     "get_gated_delta_tuning",
     "get_paged_attention_tuning",
     "paged_attention",

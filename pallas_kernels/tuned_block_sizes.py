@@ -179,3 +179,72 @@ def get_gated_delta_tuning(kernel: str, dk: int, dv: int) -> GatedDeltaTuning:
   if hit is not None:
     return hit
   return GatedDeltaTuning(block_v=min(32, next_pow2(dv)))
+
+
+# --------------------------------------------------------------------------
+# FP8 weight-only matmul
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Fp8MatmulTuning:
+  """Tile sizes of :func:`pallas_kernels.fp8_matmul` (y = x @ dequant(q).T).
+
+  Attributes:
+    block_o: output channels per program (``BO``, the dot's N). Power of two
+      >= 16. A per-tile scalar scale is used when the weight block's ``bo`` is
+      a multiple of it, else a per-row scale vector.
+    block_k: input features per loop step (``BK``, the dot's K). Power of two
+      >= 16; the kernel cuts it to the largest power of two dividing the
+      block's ``bi`` (several input blocks) or to ``next_pow2(I)`` (one).
+    block_t: token rows per program (``BT``, the dot's M) when the token count,
+      padded to a power of two >= 16, exceeds it. Power of two >= 16.
+    num_warps, num_stages: Triton launch parameters.
+  """
+
+  block_o: int = 64
+  block_k: int = 128
+  block_t: int = 64
+  num_warps: int = 4
+  num_stages: int = 3
+
+  def __post_init__(self):
+    for name in ("block_o", "block_k", "block_t"):
+      v = getattr(self, name)
+      if not _is_pow2(v) or v < TRITON_MIN_DOT:
+        raise ValueError(f"{name} must be a power of two >= {TRITON_MIN_DOT}, got {v}")
+    _check_launch(self.num_warps, self.num_stages)
+
+  @property
+  def name(self) -> str:
+    return (f"bo{self.block_o}_bk{self.block_k}_bt{self.block_t}_"
+            f"w{self.num_warps}_s{self.num_stages}")
+
+
+# key: mode. "decode" = at most 64 token rows (decode / verify: the weight
+# stream dominates, one token tile), "prefill" = more. Untimed first guesses.
+FP8_MATMUL_TABLE: dict[str, Fp8MatmulTuning] = {
+    "decode": Fp8MatmulTuning(block_o=64, block_k=128, block_t=64, num_warps=4,
+                              num_stages=3),
+    "prefill": Fp8MatmulTuning(block_o=128, block_k=128, block_t=64, num_warps=8,
+                               num_stages=3),
+}
+
+
+def get_fp8_matmul_tuning(num_rows: int, out_features: int,
+                          in_features: int) -> Fp8MatmulTuning:
+  """Table entry for the mode of ``num_rows`` tokens.
+
+  In decode, ``block_o`` is halved (down to 16) while the grid would have
+  fewer than ~264 programs (two per H200 SM), e.g. the 5120-wide outputs.
+  """
+  del in_features
+  mode = "decode" if num_rows <= 64 else "prefill"
+  t = FP8_MATMUL_TABLE[mode]
+  if mode == "decode":
+    bo = t.block_o
+    while bo > 16 and -(-out_features // bo) < 264:
+      bo //= 2
+    if bo != t.block_o:
+      t = dataclasses.replace(t, block_o=bo)
+  return t
