@@ -34,10 +34,11 @@ import sys
 
 from absl import flags
 
-from experiments import mesh_flags
+from experiments import mesh_flags, weight_flags
 
 FLAGS = flags.FLAGS
 mesh_flags.define()
+weight_flags.define()    # no checkpoint here: auto = dense; fp8 = 128 x 128 block-scaled linears
 flags.DEFINE_enum("target", "h200", ["h200", "cpu"], "compile for an H200 (deviceless) or "
                   "the host CPU")
 flags.DEFINE_enum("model", "27b", ["27b", "tiny"], "model shapes: Qwen3.5-27B or the bundled "
@@ -91,10 +92,13 @@ def main(argv):
     from mtpjax import tensor_parallel
     tensor_parallel.check_tp(cfg, FLAGS.tp)
     mesh = aot_programs.target_mesh(FLAGS.target, FLAGS.tp)
+    weights = "fp8" if FLAGS.weights == "fp8" else "dense"
+    mtp_weights = "fp8" if FLAGS.mtp_weights == "fp8" else "dense"
     progs = aot_programs.build_programs(
         cfg, lanes=FLAGS.lanes, max_seq_len=FLAGS.max_seq_len, K=FLAGS.num_speculative_tokens,
         kernels=kernels, dtype=FLAGS.dtype, page_size=FLAGS.page_size,
-        prefill_chunk=FLAGS.prefill_chunk, mesh=mesh)
+        prefill_chunk=FLAGS.prefill_chunk, mesh=mesh, weights=weights,
+        mtp_weights=mtp_weights)
     if FLAGS.programs:
         unknown = set(FLAGS.programs) - {p.name for p in progs}
         if unknown:
@@ -109,13 +113,15 @@ def main(argv):
         "target": FLAGS.target, "device": str(device), "model": FLAGS.model,
         "lanes": FLAGS.lanes, "max_seq_len": FLAGS.max_seq_len,
         "num_speculative_tokens": FLAGS.num_speculative_tokens, "kernels": kernels,
-        "dtype": FLAGS.dtype, "page_size": FLAGS.page_size,
+        "dtype": FLAGS.dtype, "weights": weights, "mtp_weights": mtp_weights,
+        "page_size": FLAGS.page_size,
         "prefill_chunk": FLAGS.prefill_chunk, "min_bytes": FLAGS.min_mb * 1_000_000,
         "hbm_bytes_per_s": FLAGS.hbm_gbps * GB, "tp": FLAGS.tp, "dp": FLAGS.dp,
         "devices": FLAGS.tp * FLAGS.dp,
         "memory_per_device": tensor_parallel.memory_per_device(
             cfg, FLAGS.tp, FLAGS.dtype, lanes=FLAGS.lanes, max_seq_len=FLAGS.max_seq_len,
-            page_size=FLAGS.page_size, K=FLAGS.num_speculative_tokens),
+            page_size=FLAGS.page_size, K=FLAGS.num_speculative_tokens, weights=weights,
+            mtp_weights=mtp_weights),
         "programs": {},
     }
     rows = []
@@ -130,7 +136,8 @@ def main(argv):
         with open(os.path.join(FLAGS.out_dir, "aot.json"), "w") as f:   # partial results too
             json.dump(doc, f, indent=1)
     per = " per device" if FLAGS.tp > 1 else ""
-    print(f"\n{FLAGS.model} {FLAGS.dtype} {kernels} on {FLAGS.target}: lanes={FLAGS.lanes} "
+    wdesc = FLAGS.dtype if weights == "dense" else f"fp8 (mtp {mtp_weights})"
+    print(f"\n{FLAGS.model} {wdesc} {kernels} on {FLAGS.target}: lanes={FLAGS.lanes} "
           f"max_seq_len={FLAGS.max_seq_len} K={FLAGS.num_speculative_tokens} tp={FLAGS.tp} "
           f"dp={FLAGS.dp} (GB = 1e9 bytes{per} per program run; dp replicas run the same "
           f"programs on their own devices)")
@@ -140,6 +147,12 @@ def main(argv):
             col = ", ".join(f"{op} x{c['count']} ({c['bytes'] / 1e6:.2f} MB)"
                             for op, c in r["collectives"].items())
             print(f"  {r['program']} collectives per device: {col}")
+    for r in rows:
+        wb = r["weight_bytes_by_role"]
+        deq = r["dequantized_weight_buffers"]
+        print(f"  {r['program']}: weights per target pass {wb['target'] / GB:.2f} GB, MTP head "
+              f"{wb['mtp'] / GB:.2f} GB; weight-sized float buffers (dequantized copies): "
+              f"{len(deq)}" + (f" e.g. {deq[0]['shape']} {deq[0]['op']}" if deq else ""))
     m = doc["memory_per_device"]
     print(f"  memory per device: weights {m['weights_bytes'] / GB:.2f} GB, GDN state "
           f"{m['gdn_state_bytes'] / GB:.3f} GB, KV {m['kv_bytes_per_token'] / 1e3:.1f} kB per "

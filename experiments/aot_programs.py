@@ -25,10 +25,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import hlo_audit
-from mtpjax import model, sampling, steps, tensor_parallel
+from mtpjax import model, quant, sampling, steps, tensor_parallel
 from mtpjax.config import Config
 from mtpjax.kv_pool import pages_for
-from mtpjax.params import abstract_params, hf_tensor_map, leaf_dtype, leaf_shapes
+from mtpjax.params import (abstract_params, fp8_paths, get_path, hf_tensor_map, leaf_dtype,
+                           leaf_shapes)
 
 TARGET_CONFIG = os.path.join(os.path.dirname(__file__), "data", "h200_target_config.txtpb")
 WEIGHT, CACHE, OTHER = "weight", "cache", "other"
@@ -81,7 +82,8 @@ def _sds(shape, dtype):
 
 def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels: str,
                    dtype: str = "bfloat16", page_size: int = 16,
-                   prefill_chunk: int = 64, mesh=None) -> list[Program]:
+                   prefill_chunk: int = 64, mesh=None, weights: str = "dense",
+                   mtp_weights: str = "dense") -> list[Program]:
     """The engine's programs for an engine of `lanes` lanes drafting K tokens.
 
     decode_k0 and decode_k{K}: steps.decode_step verifying 0 and K drafts (one program when
@@ -91,6 +93,8 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
     mesh: a tensor-parallel mesh (of topology devices): weights and caches in their
     tensor-parallel layout and shardings, everything else replicated; the programs run under
     shard_map and their floors count one device's share.
+    weights / mtp_weights: "fp8" makes the linears (the MTP head's) FP8 leaves with 128 x 128
+    block scales (mtpjax/quant.py), read by the FP8 matmul of `kernels`.
     """
     B, P = lanes, K + 1
     pages_per_lane = pages_for(max_seq_len + 2 * K, page_size)      # as Engine.__init__
@@ -98,8 +102,12 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
     local = tensor_parallel.shard_config(cfg, tensor_parallel.mesh_tp(mesh))
     local_cache = jax.eval_shape(partial(model.init_paged_cache, local, B, num_pages, page_size,
                                          P, dtype))
+    fp8 = fp8_paths(cfg, weights, mtp_weights)
+    if fp8 and mesh is not None:
+        raise tensor_parallel.ShardingError("FP8 weights under tensor parallelism (tp > 1) "
+                                            "are not supported yet")
     if mesh is None:
-        params = abstract_params(cfg, dtype)
+        params = quant.set_impl(abstract_params(cfg, dtype, fp8), kernels)
         cache = local_cache
     else:
         params = tensor_parallel.sharded_abstract_params(cfg, mesh, dtype)
@@ -203,6 +211,32 @@ def weight_bytes(cfg: Config, dtype: str, tp: int = 1) -> dict[str, int]:
     return out
 
 
+def tree_weight_bytes(cfg: Config, params) -> dict[str, int]:
+    """weight_bytes' roles, priced from the leaves of a (one-device) Params tree as it is: an
+    FP8 leaf is its float8 weight plus its float32 block scales."""
+    out = {"target": 0, "mtp": 0, "lm_head": 0}
+    split = quant.has_fp8(params)
+    for path in leaf_shapes(cfg, split_ba=split):
+        n = _nbytes(get_path(params, path))
+        if path[0] == "mtp":
+            out["mtp"] += n
+        elif path == ("embed",):
+            if cfg.tie_word_embeddings:
+                out["target"] += n
+                out["lm_head"] += n
+        else:
+            out["target"] += n
+            if path == ("lm_head",):
+                out["lm_head"] += n
+    return out
+
+
+def fp8_weight_shapes(params) -> list[tuple[int, ...]]:
+    """[O, I] of every FP8 leaf (what a dequantized copy would look like)."""
+    return [tuple(w.q.shape) for w in jax.tree.leaves(params, is_leaf=quant.is_fp8)
+            if quant.is_fp8(w)]
+
+
 def _weight_bytes_per_device(cfg: Config, dtype: str, tp: int) -> dict[str, int]:
     out = {"target": 0, "mtp": 0, "lm_head": 0}
     for path, shape in leaf_shapes(cfg).items():
@@ -223,6 +257,15 @@ def _weight_bytes_per_device(cfg: Config, dtype: str, tp: int) -> dict[str, int]
     return out
 
 
+def program_weight_bytes(prog: Program) -> dict[str, int]:
+    """weight_bytes of the program's params (one device's share under tp; FP8 leaves priced
+    as stored)."""
+    cfg, params = prog.args[0], prog.args[1]
+    if quant.has_fp8(params):
+        return tree_weight_bytes(cfg, params)
+    return weight_bytes(cfg, prog.dtype, tensor_parallel.mesh_tp(prog.mesh))
+
+
 def floor_terms(prog: Program) -> dict[str, float]:
     """Bytes a program must move at least: its `Reads`, priced.
 
@@ -233,7 +276,7 @@ def floor_terms(prog: Program) -> dict[str, float]:
     """
     cfg, r = prog.args[0], prog.reads
     tp = tensor_parallel.mesh_tp(prog.mesh)
-    w = weight_bytes(cfg, prog.dtype, tp)
+    w = program_weight_bytes(prog)
     local = tensor_parallel.shard_config(cfg, tp)
     return {
         "weights": float(r.target_passes * w["target"] + r.mtp_passes * w["mtp"]),
@@ -344,6 +387,9 @@ def compile_program(prog: Program, device, *, min_bytes: int = hlo_audit.MB,
         "tp": tensor_parallel.mesh_tp(prog.mesh),
         "collectives": hlo_audit.collectives(hlo),
         "weight_copy_bytes": audit.by_kind.get("weight", 0),
+        "weight_bytes_by_role": program_weight_bytes(prog),
+        "dequantized_weight_buffers": hlo_audit.weight_sized_float_buffers(
+            hlo, fp8_weight_shapes(prog.args[1])),
         "data_movement_over_weights": audit.total / weight_bytes if weight_bytes else None,
         "roofline": roof,
         "hlo": hlo,

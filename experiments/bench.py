@@ -58,14 +58,15 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from experiments import mesh_flags
-from mtpjax import model, tensor_parallel
+from experiments import mesh_flags, weight_flags
+from mtpjax import model, quant, tensor_parallel
 from mtpjax.config import FULL, LINEAR, Config, qwen3_5_27b
-from mtpjax.params import Params, abstract_params
+from mtpjax.params import Params, abstract_params, fp8_paths
 
 FLAGS = flags.FLAGS
 DEFAULT_CHECKPOINT = "checkpoints/tiny"
 mesh_flags.define()
+weight_flags.define()
 flags.DEFINE_string("checkpoint", DEFAULT_CHECKPOINT,
                     "checkpoint folder (HF or converted); when the default one holds no "
                     "config.json the random tiny config is used")
@@ -147,6 +148,8 @@ def _uniform_bounds(kind: str, shape) -> tuple[float, float, float]:
         return 1.0, -0.1, 0.1
     if kind == "norm":
         return 0.0, -0.1, 0.1
+    if kind == "fp8q":                   # FP8 codes over e4m3's range; the scale sizes them
+        return 0.0, -quant.FP8_MAX, quant.FP8_MAX
     a = (3.0 / shape[-1]) ** 0.5 if kind == "conv1d" else 0.02 * 3 ** 0.5
     return 0.0, -a, a
 
@@ -182,21 +185,37 @@ def _device_leaf(key, shape, dtype, kind):
     return buf
 
 
-def synthetic_params(cfg: Config, dtype: str, seed: int = 0) -> Params:
+def synthetic_params(cfg: Config, dtype: str, seed: int = 0, weights: str = "dense",
+                     mtp_weights: str = "dense") -> Params:
     """Random weights (uniform, with `init_params`' per-leaf scales), cheap to make at any size.
 
     `init_params` draws float32 normals eagerly and casts them: at 27B that is a float32
     temporary twice the size of each leaf, and on a CPU every one of its ~50 random ops compiles
     separately (tens of seconds for the tiny config). Here models under 1 GB are drawn with
     numpy on the host; bigger ones leaf by leaf on the device, in their final dtype.
+    weights="fp8": the linears are FP8 leaves (quant.Fp8Weight, 128 x 128 blocks; the MTP
+    head's too with mtp_weights="fp8"): uniform codes over e4m3's range times a scale that gives
+    the dense init's spread, drawn directly (no dense copy is ever made).
     """
-    abstract = abstract_params(cfg, dtype)
+    abstract = abstract_params(cfg, dtype, fp8_paths(cfg, weights, mtp_weights))
     on_host = nbytes(abstract) < (1 << 30)
     rng = np.random.default_rng(seed)
     key = jax.random.key(seed)
     counter = iter(range(1, 1 << 30))
 
+    def fp8_leaf(a: quant.Fp8Weight) -> quant.Fp8Weight:
+        shape = tuple(a.q.shape)
+        if on_host:
+            q = rng.uniform(-quant.FP8_MAX, quant.FP8_MAX, shape).astype(quant.FP8)
+        else:
+            q = _device_leaf(jax.random.fold_in(key, next(counter)), shape, "bfloat16", "fp8q")
+        _, _, hi = _uniform_bounds("matrix", shape)
+        scale = jnp.full(a.scale.shape, hi / quant.FP8_MAX, jnp.float32)
+        return quant.Fp8Weight(jnp.asarray(q).astype(quant.FP8), scale, a.block)
+
     def leaf(path, a):
+        if quant.is_fp8(a):
+            return fp8_leaf(a)
         shape, kind = tuple(a.shape), _leaf_kind(path, a.shape)
         if not on_host:
             return _device_leaf(jax.random.fold_in(key, next(counter)), shape, str(a.dtype),
@@ -206,7 +225,7 @@ def synthetic_params(cfg: Config, dtype: str, seed: int = 0) -> Params:
         x = np.log(x) if kind == "A_log" else off + x
         return jnp.asarray(x, a.dtype)
 
-    return jax.tree_util.tree_map_with_path(leaf, abstract)
+    return jax.tree_util.tree_map_with_path(leaf, abstract, is_leaf=quant.is_fp8)
 
 
 def resolve_dtype(dtype: str) -> str:
@@ -223,27 +242,34 @@ def resolve_kernels(kernels: str) -> str:
     return kernels
 
 
-def build_model(checkpoint: str, synthetic: str, layers: int | None, dtype: str, seed: int = 0):
-    """(cfg, params, description) from the flags' choice of model."""
+def build_model(checkpoint: str, synthetic: str, layers: int | None, dtype: str, seed: int = 0,
+                weights: str = "auto", mtp_weights: str = "auto"):
+    """(cfg, params, description) from the flags' choice of model (weights / mtp_weights:
+    the linears, see mtpjax/quant.py; for synthetic models "fp8" draws FP8 leaves directly and
+    "auto" means dense)."""
+    syn_w = "fp8" if weights == "fp8" else "dense"
+    syn_m = "fp8" if mtp_weights == "fp8" else "dense"
     if synthetic == "27b":
         cfg = shrink_layers(qwen3_5_27b(), layers)
         t = time.perf_counter()
-        params = jax.block_until_ready(synthetic_params(cfg, dtype, seed))
+        params = jax.block_until_ready(synthetic_params(cfg, dtype, seed, syn_w, syn_m))
         return cfg, params, {"source": "synthetic", "name": "qwen3_5_27b",
-                             "layers": cfg.num_layers, "init_s": time.perf_counter() - t}
+                             "layers": cfg.num_layers, "init_s": time.perf_counter() - t,
+                             "weights": syn_w, "mtp_weights": syn_m}
     if synthetic == "tiny" or (checkpoint == DEFAULT_CHECKPOINT and not os.path.exists(
             os.path.join(checkpoint, "config.json"))):
         cfg = tiny_config(layers)
-        params = synthetic_params(cfg, dtype, seed)
+        params = synthetic_params(cfg, dtype, seed, syn_w, syn_m)
         why = ("--synthetic=tiny" if synthetic else
                f"{DEFAULT_CHECKPOINT} not found (run `python -m experiments train_tiny`)")
         return cfg, params, {"source": "random", "name": "tiny", "layers": cfg.num_layers,
-                             "why": why}
+                             "why": why, "weights": syn_w, "mtp_weights": syn_m}
     if layers:
         raise ValueError("--layers only applies to --synthetic models")
     from mtpjax.api import load_checkpoint
-    cfg, params = load_checkpoint(checkpoint, dtype)
-    return cfg, params, {"source": "checkpoint", "name": checkpoint, "layers": cfg.num_layers}
+    cfg, params = load_checkpoint(checkpoint, dtype, weights=weights, mtp_weights=mtp_weights)
+    return cfg, params, {"source": "checkpoint", "name": checkpoint, "layers": cfg.num_layers,
+                         "weights": weights, "mtp_weights": mtp_weights}
 
 
 def config_summary(cfg: Config) -> dict:
@@ -567,7 +593,9 @@ def main(argv):
     log(f"bench on {info['backend']} ({info['device_kind']}), dtype={dtype}, kernels={kernels}, "
         f"kv={FLAGS.kv}")
     cfg, params, desc = build_model(FLAGS.checkpoint, FLAGS.synthetic, FLAGS.layers, dtype,
-                                    FLAGS.seed)
+                                    FLAGS.seed, FLAGS.weights, FLAGS.mtp_weights)
+    if quant.has_fp8(params):     # the FP8 matmul follows --kernels, like the engine's
+        params = quant.set_impl(params, kernels)
     log(f"model: {desc}")
     replicas = None
     if FLAGS.tp * FLAGS.dp > 1:

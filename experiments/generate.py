@@ -22,10 +22,11 @@ import time
 
 from absl import flags
 
-from experiments import mesh_flags
+from experiments import mesh_flags, weight_flags
 
 FLAGS = flags.FLAGS
 mesh_flags.define()
+weight_flags.define()
 flags.DEFINE_string("checkpoint", "checkpoints/tiny", "checkpoint folder (HF safetensors or "
                     "converted) with tokenizer.json")
 flags.DEFINE_string("prompt", "def fibonacci(n):", "prompt text (the user message with --chat)")
@@ -83,10 +84,11 @@ def main(argv):
     max_seq_len = max(2, min(max_seq_len, cfg.max_position_embeddings))
     engine = mtpjax.Engine.from_checkpoint(
         path, FLAGS.dtype, FLAGS.num_speculative_tokens, tp=FLAGS.tp, dp=FLAGS.dp, max_lanes=1,
-        max_seq_len=max_seq_len, kernels=FLAGS.kernels)
+        max_seq_len=max_seq_len, kernels=FLAGS.kernels, weights=FLAGS.weights,
+        mtp_weights=FLAGS.mtp_weights)
     text_engine = TextEngine(engine, tok, skip_special_tokens=FLAGS.skip_special_tokens)
     print(f"[load] {path}: {cfg.num_layers} layers, vocab {cfg.vocab_size}, "
-          f"{FLAGS.dtype}, k={engine.k}, kernels={engine.kernels}, tp={FLAGS.tp}, "
+          f"{FLAGS.dtype}, weights={FLAGS.weights}, k={engine.k}, kernels={engine.kernels}, tp={FLAGS.tp}, "
           f"dp={FLAGS.dp}, prompt {len(prompt_ids)} "
           f"tokens, {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
 

@@ -88,9 +88,11 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import pallas_kernels as pk  # noqa: E402
+from mtpjax import quant  # noqa: E402
 from mtpjax.config import qwen3_5_27b  # noqa: E402
 
-KERNEL_TEST_FILES = ("tests/test_kernel_paged_attention.py", "tests/test_kernel_gated_delta.py")
+KERNEL_TEST_FILES = ("tests/test_kernel_paged_attention.py", "tests/test_kernel_gated_delta.py",
+                     "tests/test_kernel_fp8_matmul.py")
 L2_DEFEAT_BYTES = 256 << 20   # > 5x the H200's 50 MB L2
 MAX_CALLS = 64
 
@@ -102,11 +104,14 @@ KERNEL_SHAPES = {
     False: {"paged": dict(nq=24, nkv=4, hd=256, page=16, ctx=8192, batches=(1, 8), q_lens=(1, 2),
                           dtype="bfloat16"),
             "verify": dict(h=48, dk=128, dv=128, batches=(1, 8), ts=(1, 2)),
-            "chunk": dict(h=48, dk=128, dv=128, batch=1, ts=(64, 1024), chunk=64)},
+            "chunk": dict(h=48, dk=128, dv=128, batch=1, ts=(64, 1024), chunk=64),
+            # the 27B MLP gate_up (the largest linear) in FP8, 128 x 128 blocks
+            "fp8": dict(o=34816, i=5120, ts=(1, 8, 32), dtype="bfloat16")},
     True: {"paged": dict(nq=4, nkv=2, hd=32, page=16, ctx=40, batches=(2,), q_lens=(1, 2),
                          dtype="float32"),
            "verify": dict(h=4, dk=32, dv=32, batches=(2,), ts=(1, 2)),
-           "chunk": dict(h=4, dk=32, dv=32, batch=1, ts=(32,), chunk=16)},
+           "chunk": dict(h=4, dk=32, dv=32, batch=1, ts=(32,), chunk=16),
+           "fp8": dict(o=200, i=136, ts=(3,), dtype="float32")},
 }
 
 
@@ -300,6 +305,35 @@ def bench_chunk(t, s, interpret, iters, hbm_gbps, seed):
     return row
 
 
+def bench_fp8_matmul(t, s, interpret, iters, hbm_gbps, seed):
+    """pallas_kernels.fp8_matmul on [t, I] x FP8 [O, I] with 128 x 128 block scales; bytes =
+    the FP8 weight + its scales + x in + y out (a decode GEMM is memory-bound)."""
+    import ml_dtypes
+    o, i = s["o"], s["i"]
+    dt = jnp.dtype(s["dtype"])
+    nbo, nbi = -(-o // 128), -(-i // 128)
+    wbytes = o * i + nbo * nbi * 4
+    L = _n_calls(wbytes, interpret)
+    rng = np.random.default_rng(seed)
+    qs = [jnp.asarray(rng.uniform(-448, 448, (o, i)).astype(ml_dtypes.float8_e4m3fn))
+          for _ in range(min(L, 2))]
+    qs = [jnp.copy(qs[n % len(qs)]) for n in range(L)]       # L distinct buffers (defeat L2)
+    scale = jnp.full((nbo, nbi), 1e-3, jnp.float32)
+    x = _normal(seed + 1, (t, i), dt)
+
+    @jax.jit
+    def prog(x, qs, scale):
+        return tuple(pk.fp8_matmul(x, q, scale, (128, 128), interpret=interpret) for q in qs)
+
+    call = lambda c: (prog(x, qs, scale), c)
+    first, times = bench.time_calls(call, None, iters)
+    io = t * i * dt.itemsize + t * o * dt.itemsize
+    return _kernel_row("fp8_matmul", dict(tokens=t, out=o, inp=i, block=[128, 128],
+                                          dtype=str(dt)),
+                       L, times, wbytes + io, hbm_gbps, weight_bytes=wbytes,
+                       first_call_s=first)
+
+
 def run_kernels(smoke: bool, interpret: bool, iters: int, hbm_gbps: float,
                 deadline: float) -> list[dict]:
     s = KERNEL_SHAPES[smoke]
@@ -315,6 +349,9 @@ def run_kernels(smoke: bool, interpret: bool, iters: int, hbm_gbps: float,
     for t in s["chunk"]["ts"]:
         jobs.append((f"chunk_gated_delta B={s['chunk']['batch']} T={t}",
                      partial(bench_chunk, t, s["chunk"])))
+    for t in s["fp8"]["ts"]:
+        jobs.append((f"fp8_matmul T={t} O={s['fp8']['o']} I={s['fp8']['i']}",
+                     partial(bench_fp8_matmul, t, s["fp8"])))
     rows = []
     for i, (name, fn) in enumerate(jobs):
         if time.monotonic() > deadline:
@@ -370,7 +407,9 @@ def run_model(smoke: bool, deadline: float) -> dict:
         layers, mem = fit_layers(qwen3_5_27b(), dtype, max(batch_sizes), FLAGS.layers)
     log(f"[model] building {FLAGS.synthetic or FLAGS.checkpoint} ({layers} layers, {dtype})")
     cfg, params, desc = bench.build_model(FLAGS.checkpoint, FLAGS.synthetic, layers, dtype,
-                                          FLAGS.seed)
+                                          FLAGS.seed, FLAGS.weights, FLAGS.mtp_weights)
+    if quant.has_fp8(params):
+        params = quant.set_impl(params, kernels)
     log(f"[model] {desc}")
     k = FLAGS.num_speculative_tokens
     # a 27B program compiles in tens of seconds: do not start one in the last minute

@@ -54,7 +54,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-from typing import Iterable, Mapping, Sequence, Union
+from typing import Any, Iterable, Mapping, Sequence, Union
 
 MB = 1_000_000
 H200_BYTES_PER_S = 4.8e12
@@ -821,6 +821,38 @@ def audit(hlo_text: str, param_kinds: Mapping[int, str], min_bytes: int = MB) ->
 
 COLLECTIVE_OPS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all",
                   "collective-permute", "collective-broadcast")
+
+
+FLOAT_TYPES = ("bf16", "f16", "f32", "f64")
+
+
+def weight_sized_float_buffers(hlo_text: str, weight_shapes: Iterable[tuple[int, ...]]
+                               ) -> list[dict[str, Any]]:
+    """Buffers that look like a dequantized FP8 weight: every instruction of a scheduled
+    computation (what reaches HBM; fused computations live in registers) that is not a
+    parameter and outputs a bf16 / f16 / f32 / f64 array with as many elements as one of
+    `weight_shapes` (the FP8 weights' [O, I]). An FP8 step program should have none."""
+    sizes = set()
+    for shape in weight_shapes:
+        n = 1
+        for d in shape:
+            n *= int(d)
+        sizes.add(n)
+    module = parse_module(hlo_text)
+    ctx, _ = schedule_contexts(module)
+    out = []
+    for cname, c in ctx.items():
+        for ins in module.computations[cname].instrs:
+            if ins.opcode in ("parameter", "get-tuple-element", "bitcast", "tuple"):
+                continue
+            for a in ins.shape:
+                n = 1
+                for d in a.dims:
+                    n *= d
+                if a.dtype in FLOAT_TYPES and n in sizes:
+                    out.append({"computation": cname, "name": ins.name, "opcode": ins.opcode,
+                                "shape": str(a), "trips": c.multiplier, "op": ins.op_name})
+    return out
 
 
 def collectives(hlo_text: str) -> dict[str, dict[str, int]]:

@@ -332,6 +332,10 @@ class Engine:
                 "preemptions": self.preemptions, "max_lanes": self.max_lanes,
                 "max_seq_len": self.max_seq_len, "num_speculative_tokens": self.k,
                 "kernels": self.kernels, "tp": self.tp,
+                "weights": "fp8" if quant.has_fp8(self.params) else str(self.dtype),
+                "mtp_weights": (None if self.params.mtp is None else "fp8"
+                                if quant.has_fp8(self.params.mtp) else str(self.dtype)),
+                "weight_bytes": int(sum(x.nbytes for x in jax.tree.leaves(self.params))),
                 "devices": [str(d) for d in (self.mesh.devices.flat if self.mesh is not None
                                              else [self.params.embed.devices().pop()])],
                 **self.timing}

@@ -332,7 +332,8 @@ def mesh_tp(mesh: Mesh | None) -> int:
 
 def memory_per_device(cfg: Config, tp: int, dtype="bfloat16", *, lanes: int = 1,
                       max_seq_len: int = 1024, page_size: int = 16, K: int = 1,
-                      hbm_bytes: float = 141e9, hbm_use: float = 0.9) -> dict:
+                      hbm_bytes: float = 141e9, hbm_use: float = 0.9,
+                      weights: str = "dense", mtp_weights: str = "dense") -> dict:
     """Bytes one device holds under tensor parallelism, from shapes alone.
 
     weights: every leaf's share (sharded leaves / tp, padding and replicated KV / GDN key
@@ -341,10 +342,12 @@ def memory_per_device(cfg: Config, tp: int, dtype="bfloat16", *, lanes: int = 1,
     and per page. kv_tokens_fit: tokens of KV that fit in hbm_use x hbm_bytes after weights and
     GDN state. loader_peak_host: what the loaders hold on the host at once (the largest
     standard leaf + its tensor-parallel copy + the largest checkpoint tensor).
+    weights="fp8" (tp = 1): the linears as FP8 + block scales (mtp_weights for the head).
     """
     from mtpjax import model
-    from mtpjax.params import hf_tensor_map
+    from mtpjax.params import abstract_params, fp8_paths, hf_tensor_map
     check_tp(cfg, tp)
+    fp8 = fp8_paths(cfg, weights, mtp_weights)
     local = shard_config(cfg, tp)
     part = {}                      # fused leaf -> its largest checkpoint tensor's bytes
     for s in hf_tensor_map(cfg):
@@ -360,6 +363,12 @@ def memory_per_device(cfg: Config, tp: int, dtype="bfloat16", *, lanes: int = 1,
         # hf_loader: the leaf (for a fused leaf, plus the tensor being copied in), and for
         # tp > 1 its tensor-parallel copy (to_layout) while the shards are sent
         peak_host = max(peak_host, n + part.get(path, 0) + (g if tp > 1 else 0))
+    if fp8:
+        if tp > 1:
+            raise ShardingError("FP8 weights under tensor parallelism (tp > 1) are not "
+                                "supported yet")
+        weights = sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+                      for x in jax.tree.leaves(abstract_params(cfg, dtype, fp8)))
     cache = jax.eval_shape(lambda: model.init_paged_cache(local, lanes, 1, page_size, K + 1,
                                                           dtype))
     gdn = sum(int(np.prod(x.shape)) * x.dtype.itemsize for x in jax.tree.leaves(cache.gdn))

@@ -296,3 +296,44 @@ def test_tensor_parallel_step_compiles_for_two_h200s_with_per_layer_collectives(
     # uses); all-gathers: the verify logits and the draft pairs
     assert col["all-reduce"]["bytes"] <= col["all-reduce"]["count"] * B * 2 * H * 4, col
     assert col["all-gather"]["bytes"] <= B * 2 * V * 4 + 2 * 2 * B * 2 * 8 + 2 * 2 * B * 8, col
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. FP8 weights (issue 11): the 27B decode step reads FP8, never a dequantized weight
+# ---------------------------------------------------------------------------------------------
+
+def test_27b_fp8_decode_step_reads_half_the_bytes_and_no_dequantized_weight():
+    """27B with every linear FP8 (128 x 128 block scales; MTP head bf16), Pallas kernels:
+    the weights one target pass reads drop from 51.25 GB to about 27 GB, no instruction that
+    reaches HBM outputs a float buffer of an FP8 weight's size (XLA would write one if it
+    dequantized outside the kernel), no weight is copied and the caches stay aliased."""
+    from mtpjax.config import qwen3_5_27b
+    cfg = qwen3_5_27b()
+    dense = aot_programs.weight_bytes(cfg, "bfloat16")
+    progs = aot_programs.build_programs(cfg, lanes=1, max_seq_len=1024, K=1, kernels="pallas",
+                                        dtype="bfloat16", page_size=16, weights="fp8")
+    prog = next(p for p in progs if p.name == "decode_k1")
+    r = aot_programs.compile_program(prog, aot_programs.target_device("h200"))
+    w = r["weight_bytes_by_role"]
+    assert 26e9 < w["target"] < 28e9 and w["target"] < 0.55 * dense["target"], (w, dense)
+    assert w["mtp"] == dense["mtp"]                     # the head stays bf16 by default
+    assert r["dequantized_weight_buffers"] == [], r["dequantized_weight_buffers"][:3]
+    assert r["weight_copy_bytes"] == 0
+    assert r["audit"]["data_movement_bytes"] <= 0.02 * r["roofline"]["floor_terms"]["weights"]
+    assert r["donation"]["not_aliased"] == []
+
+
+def test_dequantized_buffer_check_can_fail(h200):
+    """The check above sees a dequantized copy: dequantize-then-GEMM written in jnp makes XLA
+    write a bf16 [O, I] buffer before its GEMM (the form pallas_kernels/fp8_matmul.py avoids)."""
+    O, I = 4096, 1024
+    def naive(x, q, s):
+        sf = jnp.repeat(jnp.repeat(s, 128, 0), 128, 1)
+        w = (q.astype(jnp.float32) * sf).astype(x.dtype)
+        return jnp.einsum("ti,oi->to", x, w, preferred_element_type=jnp.float32)
+    args = (jax.ShapeDtypeStruct((4, I), BF16, sharding=h200),
+            jax.ShapeDtypeStruct((O, I), jnp.float8_e4m3fn, sharding=h200),
+            jax.ShapeDtypeStruct((O // 128, I // 128), jnp.float32, sharding=h200))
+    hlo = jax.jit(naive).lower(*args).compile().as_text()
+    found = hlo_audit.weight_sized_float_buffers(hlo, [(O, I)])
+    assert found and found[0]["shape"].startswith("bf16"), found

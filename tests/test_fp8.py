@@ -151,21 +151,23 @@ def test_fp8_checkpoint_bytes_and_config(tmp_path):
         assert tuple(s.shape) == (1, 1)
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_speculative_equals_plain_with_fp8(k):
-    """Greedy and seeded sampling, FP8 target and FP8 head, Pallas kernels in interpret mode."""
+def test_speculative_equals_plain_with_fp8():
+    """Greedy and seeded sampling, FP8 target and FP8 head: k = 1 and 3 with the jnp FP8
+    matmul, k = 2 with the Pallas kernel in interpret mode, all equal to plain decoding."""
     qp = quantize_params(VOCAB11_CFG, VOCAB11_PARAMS, "fp8", "fp8")
     prompts = [[1, 2, 3, 4, 5], [3, 4, 5, 6, 7, 8, 9, 10], [7, 7, 7]]
     sp = [SamplingParams(max_new_tokens=12), SamplingParams(max_new_tokens=12, temperature=1.0,
                                                             seed=3),
           SamplingParams(max_new_tokens=12, temperature=0.8, top_k=5, top_p=0.9, seed=1)]
-    kw = dict(max_lanes=2, max_seq_len=64, prefill_chunk=16, kernels="interpret")
-    plain = [o.token_ids for o in Engine(VOCAB11_CFG, qp, **kw).generate(prompts, sp)]
-    spec = [o.token_ids for o in Engine(VOCAB11_CFG, qp, num_speculative_tokens=k,
-                                        **kw).generate(prompts, sp)]
-    assert spec == plain
-    dense = [o.token_ids for o in Engine(VOCAB11_CFG, VOCAB11_PARAMS, **kw).generate(prompts, sp)]
-    assert dense != plain        # the FP8 model is a different model: the check is not vacuous
+    kw = dict(max_lanes=2, max_seq_len=64, prefill_chunk=16)
+    run = lambda params, k, kernels="reference": [o.token_ids for o in Engine(
+        VOCAB11_CFG, params, num_speculative_tokens=k, kernels=kernels, **kw).generate(
+            prompts, sp)]
+    plain = run(qp, 0)
+    for k in (1, 3):
+        assert run(qp, k) == plain, k
+    assert run(qp, 2, "interpret") == plain
+    assert run(VOCAB11_PARAMS, 0) != plain   # the FP8 model is a different model: not vacuous
 
 
 def test_engine_from_fp8_checkpoint(tmp_path):
@@ -173,6 +175,11 @@ def test_engine_from_fp8_checkpoint(tmp_path):
     eng = Engine.from_checkpoint(fp8, num_speculative_tokens=2, max_lanes=2, max_seq_len=64,
                                  prefill_chunk=16)
     assert quant.has_fp8(eng.params)
+    st = eng.stats()
+    assert st["weights"] == "fp8" and st["mtp_weights"] == "fp8"     # the writer quantized it
+    dense_eng = Engine.from_checkpoint(dense, max_lanes=2, max_seq_len=64, prefill_chunk=16)
+    assert dense_eng.stats()["weights"] == "float32"
+    assert st["weight_bytes"] < 0.5 * dense_eng.stats()["weight_bytes"]  # 1 byte, not 4, a weight
     eng2 = Engine.from_checkpoint(fp8, max_lanes=2, max_seq_len=64, prefill_chunk=16)
     p = [[1, 2, 3, 4], [5, 6, 7]]
     assert ([o.token_ids for o in eng.generate(p, SamplingParams(max_new_tokens=8))]
