@@ -12,7 +12,8 @@ budget runs out still finishes, so allow ~1 more minute — well under a 10-minu
              files define their `...Compiled` subclasses only when the backend is gpu. The
              part passes only if the tests ran on a gpu backend, at least one compiled test
              ran, and none failed, errored or was skipped (read from a --junitxml report).
-  2. kernels Triton kernels alone, at 27B shapes, each in one jitted program that calls the
+  2. kernels Triton kernels alone, at 27B shapes (fp8_matmul: the MLP gate_up in FP8 at
+             T = 1 / 8 / 32; bytes = the FP8 weight + scales + x and y), each in one jitted program that calls the
              kernel L times on distinct buffers (L sized so that they exceed the 50 MB L2, so
              nothing is served from cache) and reports the median time per call:
                paged_attention  NQ=24, NKV=4, HD=256, page 16, 8k context, B 1/8, q_len 1/2;
@@ -471,6 +472,8 @@ def summary_table(doc: dict) -> str:
             shape = f"B={r['batch']} q={r['q_len']} ctx={r['context_len']}"
         elif r["kernel"] == "gated_delta_verify":
             shape = f"B={r['batch']} T={r['tokens']} H={r['heads']}"
+        elif r["kernel"] == "fp8_matmul":
+            shape = f"T={r['tokens']} O={r['out']} I={r['inp']} fp8"
         else:
             shape = f"B={r['batch']} T={r['tokens']} H={r['heads']} chunk={r['chunk_size']}"
         out.append(f"{r['kernel']:20s} {shape:34s} {r['median_s'] * 1e6:10.1f} "

@@ -88,7 +88,7 @@ def test_gpu_check_smoke_json(runs):
         assert key in doc, key
     assert doc["pytest"]["mode"] == "collect-only" and doc["pytest"]["passed"]
     kernels = {r["kernel"] for r in doc["kernels"]}
-    assert kernels == {"paged_attention", "gated_delta_verify", "chunk_gated_delta"}
+    assert kernels == {"paged_attention", "gated_delta_verify", "chunk_gated_delta", "fp8_matmul"}
     for r in doc["kernels"]:
         assert r["median_s"] > 0 and r["bytes"] > 0 and r["x_floor"] > 0
     m = doc["model"]
