@@ -33,8 +33,8 @@ import numpy as np
 from checkpoints.safetensors_io import FP8_DTYPES, SafetensorsFile
 from mtpjax import quant
 from mtpjax.config import Config
-from mtpjax.params import (Params, TensorSpec, abstract_params, hf_tensor_map, leaf_dtype,
-                           leaf_shapes, replace_path)
+from mtpjax.params import (Params, TensorSpec, abstract_params, get_path, hf_tensor_map,
+                           leaf_dtype, leaf_shapes, replace_path)
 
 TEXT_PREFIXES = ("model.language_model.", "model.")
 IGNORED_PREFIXES = ("model.visual.", "visual.")
@@ -101,26 +101,6 @@ class FileSource:
 _ST_NAMES = {np.dtype(np.float32): "F32", np.dtype(np.float64): "F64",
              np.dtype(np.float16): "F16", np.dtype(jnp.bfloat16): "BF16",
              np.dtype(quant.FP8): "F8_E4M3"}
-
-
-class DictSource:
-    """Tensors held in memory ({HF name: array}, e.g. hf_writer.hf_state_dict): lets
-    `build_params` quantize params already in memory exactly as the loader does."""
-
-    def __init__(self, tensors: dict[str, np.ndarray]):
-        self._t = tensors
-
-    def names(self) -> list[str]:
-        return list(self._t)
-
-    def dtype(self, name: str) -> str:
-        return _ST_NAMES.get(np.dtype(self._t[name].dtype), str(self._t[name].dtype))
-
-    def shape(self, name: str) -> tuple[int, ...]:
-        return tuple(self._t[name].shape)
-
-    def get(self, name: str) -> np.ndarray:
-        return np.asarray(self._t[name])
 
 
 def canonical_name(name: str) -> str | None:
@@ -245,7 +225,7 @@ def _leaf_mode(path: tuple, weights: str, mtp_weights: str) -> str:
 def build_params(cfg: Config, src, dtype="float32", meshes: Sequence | None = None,
                  weights: str = "auto", mtp_weights: str = "auto",
                  scheme: quant.Scheme | None = None):
-    """load_params over any tensor source (FileSource, DictSource)."""
+    """load_params over any tensor source (FileSource, ParamsSource)."""
     from mtpjax import tensor_parallel
     quant.check_weights_option(weights, mtp_weights)
     targets = [None] if meshes is None else list(meshes)
@@ -358,12 +338,44 @@ def _place_fp8(mesh, leaf: quant.Fp8Weight) -> quant.Fp8Weight:
     return quant.Fp8Weight(put(leaf.q), put(leaf.scale), leaf.block)
 
 
+class ParamsSource:
+    """The checkpoint tensors of an in-memory dense Params tree, fetched one at a time from
+    its leaves (a fused leaf's row range): quantizing a 27B tree in memory holds about one leaf
+    on the host, never the model."""
+
+    def __init__(self, cfg: Config, params: Params):
+        self._params = params
+        self._specs = {("model." + s.name if not (s.name.startswith("mtp.")
+                                                   or s.name == "lm_head.weight") else s.name): s
+                       for s in hf_tensor_map(cfg)}
+        self._cached: tuple[tuple, np.ndarray] | None = None
+
+    def names(self) -> list[str]:
+        return list(self._specs)
+
+    def dtype(self, name: str) -> str:
+        leaf = get_path(self._params, self._specs[name].path)
+        return _ST_NAMES.get(np.dtype(leaf.dtype), str(leaf.dtype))
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self._specs[name].shape
+
+    def get(self, name: str) -> np.ndarray:
+        spec = self._specs[name]
+        if self._cached is None or self._cached[0] != spec.path:
+            self._cached = None
+            self._cached = (spec.path, np.asarray(get_path(self._params, spec.path)))
+        host = self._cached[1]
+        return host if spec.rows is None else host[spec.rows[0]:spec.rows[1]]
+
+
 def quantize_params(cfg: Config, params: Params, weights: str = "fp8",
                     mtp_weights: str = "auto") -> Params:
     """In-memory dense Params with their linears made FP8, exactly as
-    `load_params(weights=..., mtp_weights=...)` loads a dense checkpoint holding them."""
-    from checkpoints.hf_writer import hf_state_dict
+    `load_params(weights=..., mtp_weights=...)` loads a dense checkpoint holding them (each
+    tensor quantized from its stored values; leaves fetched one at a time)."""
+    if quant.has_fp8(params):
+        raise quant.QuantError("quantize_params expects dense params (no Fp8Weight leaves)")
     dtype = params.embed.dtype
-    tensors = hf_state_dict(cfg, params, "float32", layout="text")
-    return build_params(cfg, DictSource(tensors), str(np.dtype(dtype)), None, weights,
+    return build_params(cfg, ParamsSource(cfg, params), str(np.dtype(dtype)), None, weights,
                         mtp_weights)

@@ -17,7 +17,9 @@ def render_md(c: dict) -> str:
     st = c["settings"]
     lines.append(f"checkpoint `{st['checkpoint']}` · dtype {st['dtype']} · k = {st['k']} · kernels "
                  f"{st['kernels']} · device {st['device']} ({st['backend']}) · jax "
-                 f"{st['versions']['jax']} · {st['passes']} passes · wall {st['wall_s']:.0f} s")
+                 f"{st['versions']['jax']} · {st['passes']} passes · wall {st['wall_s']:.0f} s"
+                 + (f" · FP8 weights (target {c['fp8']['target']}, MTP head "
+                    f"{c['fp8']['mtp_head']})" if c.get("fp8") else ""))
     lines += ["", "| workload | lanes | requests | ratio (median) | passes | stock tok/s | candidate tok/s | tokens/verify step | page use (mean) | page use while waiting (stock / candidate) |",
               "|---|---|---|---|---|---|---|---|---|---|"]
     for w, r in c["ratios"].items():
@@ -61,7 +63,39 @@ def render_md(c: dict) -> str:
     if c.get("draft_verify_ms"):
         dv = c["draft_verify_ms"]
         lines.append(f"- split at batch {dv['batch']}: draft {dv['draft_ms']:.2f} ms, verify forward {dv['verify_ms']:.2f} ms, decode forward {dv['decode_ms']:.2f} ms")
+    if c.get("fp8"):
+        lines += [""] + render_fp8_md(c["fp8"])
     return "\n".join(lines) + "\n"
+
+
+def render_fp8_md(f: dict) -> list[str]:
+    """The card's FP8 block: fidelity against the dense model and MTP acceptance per head."""
+    fd = f["fidelity_vs_dense"]
+    lines = [f"## FP8 weights (--weights={f['weights']} --mtp_weights={f['mtp_weights']}: "
+             f"target {f['target']}, MTP head {f['mtp_head']}; measured in {f['wall_s']:.0f} s)", "",
+             f"Fidelity vs dense ({fd['texts']} fixed texts, {fd['positions']} positions; "
+             f"reference: {f['dense_reference']}):", "",
+             "| measure | value |", "|---|---|",
+             f"| mean abs log-prob diff of the actual next token | {fd['mean_abs_logprob_diff']:.4f} (max {fd['max_abs_logprob_diff']:.4f}) |",
+             f"| mean log-prob of the actual next token, dense / FP8 | {fd['mean_logprob']['dense']:.4f} / {fd['mean_logprob']['fp8']:.4f} |",
+             f"| top-1 agreement | {fd['top1_agreement']:.4f} |",
+             f"| mean KL(dense ‖ FP8) per token | {fd['mean_kl']:.2e} nats |",
+             "", f"How: {fd['how']}."]
+    ma = f.get("mtp_acceptance")
+    if ma:
+        lines += ["", f"MTP acceptance, head dense vs FP8 (target {f['target']}; candidate k = "
+                      f"{ma['k']}, {ma['workload']} workload, {ma['lanes']} lanes, "
+                      f"{ma['prompts']} greedy prompts):", "",
+                  "| MTP head | tokens / verify step | acceptance by draft position | verify steps |",
+                  "|---|---|---|---|"]
+        for head in ("dense", "fp8"):
+            v = ma[f"{head}_head"]
+            lines.append(f"| {head} | {v['tokens_per_verify_step']:.3f} | "
+                         + ", ".join(f"d{j + 1} {x:.3f}" for j, x in enumerate(v["acceptance_by_position"]))
+                         + f" | {v['verify_steps']} |")
+        lines += ["", f"Greedy agreement of the two runs' replies: {ma['greedy_agreement']:.4f}.",
+                  "", f"How: {ma['how']}."]
+    return lines
 
 
 def plot(c: dict, out_dir: str) -> list[str]:

@@ -12,6 +12,12 @@ pool. Order of work:
      argmax of sampled replies scored by the stock model, sampled/greedy agreement, reply
      lengths, and the busy workload's validity (page use >= 0.9 while requests wait)
   4. card: card.md, card.json and plots in --out_dir; the card is printed at the end
+
+With FP8 weights (`--weights=fp8` quantizes a dense checkpoint at load; stock and candidate both
+run the same FP8 params, so the gate compares like with like), the card adds an `fp8` section,
+measured before step 1: the FP8 target against the dense one on the fixed texts
+(`fidelity_vs_dense`), and the gate workload's candidate with the MTP head dense vs FP8
+(`mtp_acceptance`).
 """
 
 from __future__ import annotations
@@ -32,8 +38,8 @@ from absl import flags
 import mtpjax
 from experiments import card as card_lib
 from experiments import judge_gate as gate
-from experiments import mesh_flags
-from mtpjax import model, steps
+from experiments import mesh_flags, weight_flags
+from mtpjax import model, quant, steps
 from mtpjax.sampling import LaneSampling, SamplingParams
 
 FLAGS = flags.FLAGS
@@ -42,6 +48,7 @@ DEFAULT_CKPT = os.path.join(os.path.dirname(HERE), "checkpoints", "tiny")
 TEXTS = os.path.join(HERE, "data", "judge_texts.json")
 
 mesh_flags.define()
+weight_flags.define()   # --weights / --mtp_weights: stock and candidate alike; FP8 adds a card section
 flags.DEFINE_string("checkpoint", DEFAULT_CKPT, "checkpoint folder (HF layout or converted)")
 flags.DEFINE_string("out_dir", "runs/judge", "where card.md, card.json and plots go")
 flags.DEFINE_integer("passes", 3, "timed passes per workload")
@@ -86,6 +93,8 @@ class JudgeConfig:
     k: int = 1
     max_new_tokens: int = 48
     dtype: str = "float32"
+    weights: str = "auto"       # mtpjax.load_checkpoint(weights=...): auto | fp8 | dense
+    mtp_weights: str = "auto"   # ... (mtp_weights=...)
     kernels: str | None = None
     solo_requests: int = 4
     team_lanes: int = 8
@@ -112,6 +121,7 @@ def _from_flags() -> JudgeConfig:
     return JudgeConfig(
         checkpoint=f.checkpoint, out_dir=f.out_dir, passes=f.passes, workloads=tuple(f.workloads),
         k=f.num_speculative_tokens, max_new_tokens=f.max_new_tokens, dtype=f.dtype,
+        weights=f.weights, mtp_weights=f.mtp_weights,
         kernels=f.kernels, solo_requests=f.solo_requests, team_lanes=f.team_lanes,
         team_requests=f.team_requests, busy_lanes=f.busy_lanes, busy_requests=f.busy_requests,
         busy_fill=f.busy_fill, page_size=f.page_size, prompt_tokens=f.prompt_tokens,
@@ -395,6 +405,125 @@ def step_split(cfg, params, lanes: int, k: int, kernels: str, ctx: int = 64) -> 
     return out
 
 
+# ------------------------------------------------------------------------------- FP8
+
+FP8_FIDELITY_HOW = ("teacher-forced target log-probs (mtpjax.forward_logits, no cache) of each "
+                    "fixed text (its prompt + the first fidelity_tokens tokens of its "
+                    "continuation), FP8 model vs the dense model it was quantized from, same "
+                    "dtype; over every next-token position: mean |log p_fp8 - log p_dense| of "
+                    "the actual next token, share of positions whose argmax agrees, mean "
+                    "KL(dense || fp8) in nats")
+FP8_MTP_HOW = ("the candidate engine (k drafts, the gate workload's lanes and pool) generating "
+               "greedily (temperature 0, max_new_tokens) from the gate prompts, the target as "
+               "the judge runs it, once with the MTP head dense and once FP8; tokens per "
+               "verify step = (verify steps + accepted drafts) / verify steps, acceptance of "
+               "draft j = share of verify steps accepting it; greedy_agreement: the two runs' "
+               "replies")
+
+
+def _stores_fp8(path: str) -> bool:
+    from checkpoints import is_orbax_checkpoint
+    from checkpoints.hf_loader import read_config
+    if is_orbax_checkpoint(path):
+        return False                    # converted folders hold dense params
+    return quant.scheme_from_config(read_config(path)) is not None
+
+
+def load_weights(jc: JudgeConfig):
+    """(cfg, params, dense): params as stock and candidate run them (jc.weights /
+    jc.mtp_weights); dense: the in-memory dense params they were quantized from when a dense
+    checkpoint is made FP8 here (its files are read once), else None."""
+    if "fp8" not in (jc.weights, jc.mtp_weights) or _stores_fp8(jc.checkpoint):
+        cfg, params = mtpjax.load_checkpoint(jc.checkpoint, jc.dtype, weights=jc.weights,
+                                             mtp_weights=jc.mtp_weights)
+        return cfg, params, None
+    from checkpoints.hf_loader import quantize_params
+    cfg, dense = mtpjax.load_checkpoint(jc.checkpoint, jc.dtype, weights="dense",
+                                        mtp_weights="dense")
+    return cfg, quantize_params(cfg, dense, jc.weights, jc.mtp_weights), dense
+
+
+def head_weights(params) -> str:
+    return "fp8" if quant.has_fp8(params.mtp) else "dense"
+
+
+def other_head(jc: JudgeConfig, cfg, params, dense):
+    """params with the other MTP head ("dense" <-> "fp8"), the target unchanged: from the
+    in-memory dense params, else (a checkpoint stored FP8) from the files again."""
+    other = "dense" if head_weights(params) == "fp8" else "fp8"
+    if dense is not None:
+        from checkpoints.hf_loader import quantize_params
+        return other, quantize_params(cfg, dense, jc.weights, other)
+    return other, mtpjax.load_checkpoint(jc.checkpoint, jc.dtype, weights=jc.weights,
+                                         mtp_weights=other)[1]
+
+
+@jax.jit
+def _compare_logits(dense_logits, fp8_logits, nxt):
+    """Per position: |delta log p| of the next token, argmax agreement, KL(dense || fp8)."""
+    ld = jax.nn.log_softmax(dense_logits.astype(jnp.float32), -1)
+    lf = jax.nn.log_softmax(fp8_logits.astype(jnp.float32), -1)
+    pick = lambda lp: jnp.take_along_axis(lp, nxt[..., None], -1)[..., 0]
+    kl = jnp.sum(jnp.exp(ld) * (ld - lf), -1)
+    agree = jnp.argmax(ld, -1) == jnp.argmax(lf, -1)
+    return pick(ld), pick(lf), agree, kl
+
+
+def fidelity_vs_dense(cfg, dense, params, texts, jc: JudgeConfig) -> dict:
+    """FP8 params vs the dense ones on the fixed texts (FP8_FIDELITY_HOW). Texts go in batches
+    of `fidelity_lanes` rows right-padded to the longest (the model is causal, so padding
+    after a position never changes it; padded positions are left out), the last batch filled
+    with copies of its first row, so each model compiles one shape."""
+    seqs = [list(p) + list(c[:jc.fidelity_tokens]) for p, c in texts]
+    T = max(len(s) for s in seqs)
+    tokens = np.zeros((len(seqs), T), np.int32)
+    valid = np.zeros((len(seqs), T - 1), bool)
+    for i, s in enumerate(seqs):
+        tokens[i, :len(s)] = s
+        valid[i, :len(s) - 1] = True
+    B = min(jc.fidelity_lanes, len(seqs))
+    got = {key: [] for key in ("lp_dense", "lp_fp8", "agree", "kl")}
+    for i in range(0, len(seqs), B):
+        real = np.arange(i, i + B) < len(seqs)
+        idx = np.where(real, np.arange(i, i + B), i)
+        tok = jnp.asarray(tokens[idx])
+        ld = mtpjax.forward_logits(cfg, dense, tok)[:, :-1]
+        lf = mtpjax.forward_logits(cfg, params, tok)[:, :-1]
+        out = _compare_logits(ld, lf, tok[:, 1:])
+        mask = valid[idx] & real[:, None]
+        for key, x in zip(got, out):
+            got[key].append(np.asarray(x, np.float64)[mask])
+    got = {key: np.concatenate(v) for key, v in got.items()}
+    diff = np.abs(got["lp_fp8"] - got["lp_dense"])
+    return {"texts": len(seqs), "positions": int(diff.size),
+            "mean_abs_logprob_diff": float(diff.mean()),
+            "max_abs_logprob_diff": float(diff.max()),
+            "top1_agreement": float(got["agree"].mean()),
+            "mean_kl": float(got["kl"].mean()),
+            "mean_logprob": {"dense": float(got["lp_dense"].mean()),
+                             "fp8": float(got["lp_fp8"].mean())},
+            "how": FP8_FIDELITY_HOW}
+
+
+def mtp_head_acceptance(engines: dict, prompts, jc: JudgeConfig) -> dict:
+    """engines: {"dense": engine, "fp8": engine} (MTP head weights) -> FP8_MTP_HOW."""
+    sp = SamplingParams(temperature=0.0, max_new_tokens=jc.max_new_tokens)
+    out, replies = {}, {}
+    for head, engine in engines.items():
+        outs = engine.generate(prompts, sp)
+        errors = [o.error for o in outs if o.finish_reason == "error"]
+        if errors:
+            raise RuntimeError(f"judge request failed (MTP head {head}): {errors[0]}")
+        tps, per = acceptance(outs, jc.k)
+        replies[head] = [o.token_ids for o in outs]
+        out[f"{head}_head"] = {"tokens_per_verify_step": tps, "acceptance_by_position": per,
+                               "verify_steps": int(sum(o.stats.verify_steps for o in outs)),
+                               "tokens": int(sum(len(r) for r in replies[head]))}
+    return {"prompts": len(prompts), "k": jc.k, **out,
+            "greedy_agreement": gate.greedy_agreement(replies["fp8"], replies["dense"]),
+            "how": FP8_MTP_HOW}
+
+
 # ------------------------------------------------------------------------------- main
 
 def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
@@ -402,9 +531,28 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
     t_start = time.perf_counter()
     k = jc.k if candidate_k is None else candidate_k
     jc = dataclasses.replace(jc, k=k)
-    cfg, params = mtpjax.load_checkpoint(jc.checkpoint, jc.dtype)
+    cfg, params, dense = load_weights(jc)
     tokenizer = _tokenizer(jc.checkpoint)
     texts = load_texts(tokenizer, jc)
+    fp8 = other = None
+    if quant.has_fp8(params):   # measured first, so the extra trees are gone before the runs
+        t_fp8 = time.perf_counter()
+        if dense is None:       # a checkpoint stored FP8: its dequantized weights
+            dense_ref = mtpjax.load_checkpoint(jc.checkpoint, jc.dtype, weights="dense",
+                                               mtp_weights="dense")[1]
+        else:
+            dense_ref = dense
+        fp8 = {"weights": jc.weights, "mtp_weights": jc.mtp_weights,
+               "target": "fp8" if quant.has_fp8(params.layers) else "dense",
+               "mtp_head": head_weights(params) if params.mtp is not None else None,
+               "dense_reference": ("the dense checkpoint" if dense is not None else
+                                   "the checkpoint's FP8 weights dequantized") + f", {jc.dtype}",
+               "fidelity_vs_dense": fidelity_vs_dense(cfg, dense_ref, params, texts, jc),
+               "mtp_acceptance": None}
+        del dense_ref
+        other = other_head(jc, cfg, params, dense) if cfg.has_mtp and k else None
+        del dense
+        fp8["wall_s"] = time.perf_counter() - t_fp8
     prompts = [p for p, _ in texts]
     max_seq_len = max(len(p) for p in prompts) + jc.max_new_tokens + 8
 
@@ -421,6 +569,17 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
             engines[(w, kk)] = make_engine(cfg, params, jc, kk, lanes, pool[w], max_seq_len,
                                            placed=placed)
     kernels = engines[(jc.workloads[0], 0)].kernels
+    gate_w = "team" if "team" in plans else jc.workloads[0]
+    gp = prompts[:jc.gate_prompts]
+    if fp8 is not None and other is not None:   # the gate workload's candidate, either head
+        t_fp8 = time.perf_counter()
+        lanes = plans[gate_w][0]
+        heads = {head_weights(params): engines[(gate_w, k)],
+                 other[0]: make_engine(cfg, other[1], jc, k, lanes, pool[gate_w], max_seq_len)}
+        fp8["mtp_acceptance"] = {"workload": gate_w, "lanes": lanes,
+                                 **mtp_head_acceptance(heads, gp, jc)}
+        del heads, other
+        fp8["wall_s"] += time.perf_counter() - t_fp8
 
     total = len(plans) * 2 * (1 + jc.passes) + 3
     bar = tqdm(total=total, desc="judge", disable=not jc.progress, leave=False)
@@ -439,8 +598,6 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
                 bar.update(1)
 
     # ---- gate: sampled replies (likelihood, argmax, sampled agreement) on the team engines
-    gate_w = "team" if "team" in plans else jc.workloads[0]
-    gp = prompts[:jc.gate_prompts]
     sp = [SamplingParams(temperature=jc.sample_temperature, max_new_tokens=jc.max_new_tokens,
                          seed=10_000 + jc.seed + i) for i in range(len(gp))]
     rep, peak = {}, {}
@@ -501,7 +658,8 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
     }
     verdict = gate.evaluate(measured, jc.limits)
     split_at = plans[gate_w][0]
-    draft_verify = step_split(cfg, params, split_at, k, kernels) if k else None
+    split_params = quant.set_impl(params, kernels) if quant.has_fp8(params) else params
+    draft_verify = step_split(cfg, split_params, split_at, k, kernels) if k else None
     card = {
         "ratios": ratios,
         "specscore": verdict["specscore"],
@@ -524,8 +682,10 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
         "step_time_ms": split,
         "draft_verify_ms": draft_verify,
         "page_utilization": util,
+        "fp8": fp8,
         "settings": {
             "checkpoint": os.path.abspath(jc.checkpoint), "dtype": jc.dtype, "k": k,
+            "weights": jc.weights, "mtp_weights": jc.mtp_weights,
             "kernels": kernels, "passes": jc.passes, "max_new_tokens": jc.max_new_tokens,
             "temperature": jc.temperature, "sample_temperature": jc.sample_temperature,
             "lanes": {w: plans[w][0] for w in plans}, "requests": {w: len(plans[w][1]) for w in plans},

@@ -13,7 +13,7 @@ import pytest
 import mtpjax
 from experiments import judge, judge_gate as gate
 from judge_fixtures import write_judge_checkpoint
-from mtpjax import sampling
+from mtpjax import quant, sampling
 
 # Two busy lanes sharing a 3-page pool: page granularity and preemption hold the steady-state
 # page use near 0.7 here (the default workload, 16 lanes, measures 0.93-0.94), so the busy
@@ -120,6 +120,9 @@ def test_judge_end_to_end_card(peaky_ckpt, tmp_path):
     md = (tmp_path / "card.md").read_text()
     assert "| busy_page_use (workload validity) |" in md
     assert on_disk["memory"]["workload"] == "team" and "own phase" in on_disk["memory"]["how"]
+    # dense weights: no FP8 section, nothing extra measured
+    assert on_disk["fp8"] is None and "FP8" not in md
+    assert on_disk["settings"]["weights"] == on_disk["settings"]["mtp_weights"] == "auto"
 
 
 def _always_accept(real_verify):
@@ -239,3 +242,72 @@ def test_fidelity_goes_through_the_engines_paged_verify_path(peaky_ckpt, monkeyp
         monkeypatch.undo()
         jax.clear_caches()
     assert broken > jc.limits.fidelity_ceiling, broken
+
+
+# ------------------------------------------------------------------------------- FP8
+
+TINY_CKPT = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "tiny")
+
+
+def test_fidelity_vs_dense_is_exact_for_the_same_params_and_ignores_padding(peaky_ckpt):
+    """Texts of different lengths share a right-padded batch: the padded positions are left
+    out and the real ones are what each text alone gives."""
+    cfg, params = mtpjax.load_checkpoint(peaky_ckpt, "float32")
+    jc = judge.JudgeConfig(checkpoint=peaky_ckpt, **{**SMALL, "fidelity_tokens": 1000})
+    texts = judge.load_texts(judge._tokenizer(peaky_ckpt), jc)[:3]   # whole continuations
+    f = judge.fidelity_vs_dense(cfg, params, params, texts, jc)
+    lens = [len(p) + min(len(c), jc.fidelity_tokens) for p, c in texts]
+    assert len(set(lens)) > 1 and f["positions"] == sum(n - 1 for n in lens)
+    assert f["mean_abs_logprob_diff"] == 0.0 and f["top1_agreement"] == 1.0
+    assert abs(f["mean_kl"]) < 1e-6
+    lps = []
+    for p, c in texts:
+        seq = np.asarray([p + c[:jc.fidelity_tokens]], np.int32)
+        lp = jax.nn.log_softmax(mtpjax.forward_logits(cfg, params, seq)[0, :-1], -1)
+        lps.append(np.take_along_axis(np.asarray(lp), seq[0, 1:, None], -1)[:, 0])
+    assert f["mean_logprob"]["dense"] == pytest.approx(np.concatenate(lps).mean(), rel=1e-6)
+
+
+def test_judge_with_fp8_weights_on_the_tiny_checkpoint(tmp_path):
+    """--weights=fp8: stock and candidate both run the FP8 params (quantized at load) and the
+    gate passes; the card's fp8 section compares them with the dense model and measures MTP
+    acceptance with the head dense and FP8."""
+    jc = judge.JudgeConfig(checkpoint=TINY_CKPT, out_dir=str(tmp_path), weights="fp8", **TINY)
+    card = judge.run_judge(jc)
+    assert card["reason"] is None, card["checks"]
+    assert card["settings"]["weights"] == "fp8" and card["settings"]["mtp_weights"] == "auto"
+    on_disk = json.load(open(tmp_path / "card.json"))
+    f = on_disk["fp8"]
+    assert f["target"] == "fp8" and f["mtp_head"] == "dense"
+    fd = f["fidelity_vs_dense"]
+    for key in ("mean_abs_logprob_diff", "top1_agreement", "mean_kl", "how", "texts",
+                "positions"):
+        assert key in fd, key
+    assert 0.0 < fd["top1_agreement"] <= 1.0
+    assert fd["mean_abs_logprob_diff"] > 0.0 and fd["mean_kl"] > 0.0   # FP8 is not dense
+    assert fd["mean_abs_logprob_diff"] < 0.1 and fd["top1_agreement"] > 0.9
+    ma = f["mtp_acceptance"]
+    assert ma["prompts"] == TINY["gate_prompts"] and ma["k"] == 1 and ma["how"]
+    for head in ("dense_head", "fp8_head"):
+        v = ma[head]
+        assert 1.0 <= v["tokens_per_verify_step"] <= ma["k"] + 1, v
+        assert len(v["acceptance_by_position"]) == ma["k"] and v["verify_steps"] > 0
+    md = (tmp_path / "card.md").read_text()
+    assert "## FP8 weights" in md and "top-1 agreement" in md and "MTP head" in md
+
+
+def test_fp8_head_variants_share_the_target():
+    """The MTP-head variant the judge builds keeps the target's FP8 weights bit for bit."""
+    jc = judge.JudgeConfig(checkpoint=TINY_CKPT, weights="fp8")
+    cfg, params, dense = judge.load_weights(jc)
+    assert quant.has_fp8(params.layers) and judge.head_weights(params) == "dense"
+    assert not quant.has_fp8(dense)
+    other, tree = judge.other_head(jc, cfg, params, dense)
+    assert other == "fp8" and judge.head_weights(tree) == "fp8"
+    same = jax.tree.map(lambda a, b: bool(np.array_equal(np.asarray(a, np.float32),
+                                                         np.asarray(b, np.float32))),
+                        params.layers, tree.layers)
+    assert all(jax.tree.leaves(same))
+    jc_dense = judge.JudgeConfig(checkpoint=TINY_CKPT)
+    assert not quant.has_fp8(judge.load_weights(jc_dense)[1])
+    assert judge.load_weights(jc_dense)[2] is None
