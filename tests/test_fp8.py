@@ -134,6 +134,22 @@ def test_quantize_at_load_equals_stored_fp8(tmp_path):
     assert np.abs(w - orig).max() <= 2 ** -4 * np.abs(orig).max()
 
 
+@pytest.mark.parametrize("scheme", ["qwen", "compressed"])
+def test_fp8_wrapper_layout_loads_like_text_layout(tmp_path, scheme):
+    """The multimodal wrapper layout (model.language_model.*, config under text_config, the
+    quantization_config at the top) loads to the same FP8 leaves as the text-only layout."""
+    trees = []
+    for layout in ("wrapper", "text"):
+        path = str(tmp_path / layout)
+        save_hf_checkpoint(path, VOCAB11_CFG, VOCAB11_PARAMS, "float32", layout=layout,
+                           quantization=SCHEMES[scheme], quantize_mtp=True)
+        trees.append(mtpjax.load_checkpoint(path)[1])
+    assert quant.has_fp8(trees[0])
+    assert jax.tree.structure(trees[0]) == jax.tree.structure(trees[1])
+    for x, y in zip(_leaves(trees[0]), _leaves(trees[1])):
+        np.testing.assert_array_equal(x, y)
+
+
 def test_fp8_checkpoint_bytes_and_config(tmp_path):
     """The writer's FP8 file: float8 weights, their scales, the config naming what is dense."""
     _, cfg, _, fp8 = _fp8_checkpoint(tmp_path, quant.QWEN_FP8, quantize_mtp=False)
