@@ -285,7 +285,9 @@ def test_engine_arguments_are_checked_and_forwarded(monkeypatch):
     with pytest.raises(ValueError, match="prefill_buckets must be positive and end at"):
         Engine(CFG, PARAMS, prefill_chunk=16, prefill_buckets=(8,))
     import mtpjax.api
-    monkeypatch.setattr(mtpjax.api, "load_checkpoint", lambda path, dtype: (CFG, PARAMS))
+    monkeypatch.setattr(mtpjax.api, "load_checkpoint",
+                        lambda path, dtype, meshes=None, weights="auto", mtp_weights="auto":
+                        (CFG, PARAMS))
     e = mtpjax.Engine.from_checkpoint("x", num_speculative_tokens=1, kernels="interpret",
                                       page_size=8, num_pages=7, max_lanes=2)
     assert (e.k, e.kernels, e.page_size, e.num_pages, e.max_lanes) == (1, "interpret", 8, 7, 2)
