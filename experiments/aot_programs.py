@@ -187,37 +187,11 @@ def _nbytes(tree) -> int:
                    for x in jax.tree.leaves(tree)))
 
 
-def weight_bytes(cfg: Config, dtype: str, tp: int = 1) -> dict[str, int]:
-    """Checkpoint tensor bytes by role, from the HF tensor map (independent of how Params
-    lays them out): target (every text weight but the embedding table; lm_head included, the
-    embedding when tied), mtp (the MTP head), lm_head. tp > 1: one device's bytes under the
-    tensor-parallel layout (a sharded leaf's share, padding and replicated heads included; a
-    replicated leaf whole)."""
-    if tp > 1:
-        return _weight_bytes_per_device(cfg, dtype, tp)
+def _by_role(cfg: Config, sized) -> dict[str, int]:
+    """Sum (leaf path, bytes) pairs into roles: target (every text weight but the embedding
+    table; lm_head included, the embedding when tied), mtp (the MTP head), lm_head."""
     out = {"target": 0, "mtp": 0, "lm_head": 0}
-    for spec in hf_tensor_map(cfg):
-        n = int(np.prod(spec.shape)) * leaf_dtype(spec.path, dtype).itemsize
-        if spec.name.startswith("mtp."):
-            out["mtp"] += n
-        elif spec.name == "embed_tokens.weight":
-            if cfg.tie_word_embeddings:
-                out["target"] += n
-                out["lm_head"] += n
-        else:
-            out["target"] += n
-            if spec.name == "lm_head.weight":
-                out["lm_head"] += n
-    return out
-
-
-def tree_weight_bytes(cfg: Config, params) -> dict[str, int]:
-    """weight_bytes' roles, priced from the leaves of a (one-device) Params tree as it is: an
-    FP8 leaf is its float8 weight plus its float32 block scales."""
-    out = {"target": 0, "mtp": 0, "lm_head": 0}
-    split = quant.has_fp8(params)
-    for path in leaf_shapes(cfg, split_ba=split):
-        n = _nbytes(get_path(params, path))
+    for path, n in sized:
         if path[0] == "mtp":
             out["mtp"] += n
         elif path == ("embed",):
@@ -229,6 +203,23 @@ def tree_weight_bytes(cfg: Config, params) -> dict[str, int]:
             if path == ("lm_head",):
                 out["lm_head"] += n
     return out
+
+
+def weight_bytes(cfg: Config, dtype: str, tp: int = 1) -> dict[str, int]:
+    """Checkpoint tensor bytes by role (_by_role), from the HF tensor map (independent of how
+    Params lays them out). tp > 1: one device's bytes under the tensor-parallel layout (a
+    sharded leaf's share, padding and replicated heads included; a replicated leaf whole)."""
+    if tp > 1:
+        return _weight_bytes_per_device(cfg, dtype, tp)
+    return _by_role(cfg, ((s.path, int(np.prod(s.shape)) * leaf_dtype(s.path, dtype).itemsize)
+                          for s in hf_tensor_map(cfg)))
+
+
+def tree_weight_bytes(cfg: Config, params) -> dict[str, int]:
+    """weight_bytes' roles, priced from the leaves of a (one-device) Params tree as it is: an
+    FP8 leaf is its float8 weight plus its float32 block scales."""
+    paths = leaf_shapes(cfg, split_ba=quant.has_fp8(params))
+    return _by_role(cfg, ((p, _nbytes(get_path(params, p))) for p in paths))
 
 
 def fp8_weight_shapes(params) -> list[tuple[int, ...]]:
@@ -238,23 +229,12 @@ def fp8_weight_shapes(params) -> list[tuple[int, ...]]:
 
 
 def _weight_bytes_per_device(cfg: Config, dtype: str, tp: int) -> dict[str, int]:
-    out = {"target": 0, "mtp": 0, "lm_head": 0}
-    for path, shape in leaf_shapes(cfg).items():
-        lay = tensor_parallel.layout_index(cfg, tp, path)
-        n = int(np.prod(shape)) * leaf_dtype(path, dtype).itemsize
-        if lay is not None:
-            n = n * len(lay[1]) // shape[lay[0]] // tp
-        if path[0] == "mtp":
-            out["mtp"] += n
-        elif path == ("embed",):
-            if cfg.tie_word_embeddings:
-                out["target"] += n
-                out["lm_head"] += n
-        else:
-            out["target"] += n
-            if path == ("lm_head",):
-                out["lm_head"] += n
-    return out
+    def sized():
+        for path, shape in leaf_shapes(cfg).items():
+            lay = tensor_parallel.layout_index(cfg, tp, path)
+            n = int(np.prod(shape)) * leaf_dtype(path, dtype).itemsize
+            yield path, (n if lay is None else n * len(lay[1]) // shape[lay[0]] // tp)
+    return _by_role(cfg, sized())
 
 
 def program_weight_bytes(prog: Program) -> dict[str, int]:
