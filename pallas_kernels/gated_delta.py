@@ -335,10 +335,12 @@ def _verify_kernel(
     return s
 
   # An idle lane's state is neither read nor written (it stays in place: s_out aliases
-  # s_in); its outputs are zeros.
+  # s_in); its outputs are zeros, stored row by row: Triton tensors must have power-of-two
+  # sizes, and T = k + 1 is not one for k = 2, 4, ...
   @pl.when(live_ref[0] == 0)
   def _idle():
-    o_ref[...] = jnp.zeros(o_ref.shape, o_ref.dtype)
+    for t in range(n_new):
+      o_ref[t, :] = jnp.zeros(o_ref.shape[1:], o_ref.dtype)
 
   @pl.when(live_ref[0] != 0)
   def _run():

@@ -387,8 +387,8 @@ def test_chunk_lowers_for_cuda_at_27b_shapes(b, t):
   assert "__gpu$xla.gpu.triton" in text and "chunk_gated_delta_c64" in text
 
 
-@pytest.mark.parametrize("b,t", [(8, 4), (8, 1), (1, 8)], ids=["verify-k3", "decode",
-                                                               "verify-k7"])
+@pytest.mark.parametrize("b,t", [(8, 4), (8, 1), (1, 8), (8, 3), (2, 5)],
+                         ids=["verify-k3", "decode", "verify-k7", "verify-k2", "verify-k4"])
 def test_verify_lowers_for_cuda_at_27b_shapes(b, t):
   bf, f32 = jnp.bfloat16, jnp.float32
   p = t
