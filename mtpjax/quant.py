@@ -65,10 +65,6 @@ class Fp8Weight:
     def shape(self) -> tuple[int, ...]:
         return tuple(self.q.shape)
 
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.q.shape)) * 1 + int(np.prod(self.scale.shape)) * 4
-
 
 jax.tree_util.register_dataclass(Fp8Weight, data_fields=["q", "scale"],
                                  meta_fields=["block", "impl"])
@@ -156,15 +152,6 @@ def fuse(parts: list[tuple[np.ndarray, np.ndarray, tuple[int, int]]]
             return q, np.concatenate([p[1] for p in parts], axis=0).astype(np.float32), (bo, bi)
     rows = [np.repeat(s, b[0], axis=0)[:p.shape[0]] for p, s, b in parts]
     return q, np.concatenate(rows, axis=0).astype(np.float32), (1, bi)
-
-
-def split_rows(q: np.ndarray, scale: np.ndarray, block: tuple[int, int], start: int, stop: int):
-    """Rows [start, stop) of an FP8 leaf as (q, scale, block): the inverse of `fuse`."""
-    bo, bi = block
-    if bo > 1 and (start % bo or (stop % bo and stop != q.shape[0])):
-        scale = np.repeat(scale, bo, axis=0)[:q.shape[0]]
-        bo = 1
-    return q[start:stop], scale[start // bo:-(-stop // bo)], (bo, bi)
 
 
 # ------------------------------------------------------------------------------------------
