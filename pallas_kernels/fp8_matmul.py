@@ -140,6 +140,19 @@ def _plan(t: int, out: int, inn: int, block, tuning: Fp8MatmulTuning):
     return bt, bo_tile, bk, scalar_scale, nbi
 
 
+def _tile_mask(rows, cols, shape):
+    """bool[shape] from optional row [R] and column [C] masks; None when both are None (a
+    full tile: the load or store needs no mask)."""
+    if rows is None and cols is None:
+        return None
+    m = jnp.ones(shape, jnp.bool_)
+    if rows is not None:
+        m = m & rows[:, None]
+    if cols is not None:
+        m = m & cols[None, :]
+    return m
+
+
 def _fp8_matmul_kernel(x_ref, q_ref, s_ref, o_ref, *, t: int, out: int, inn: int, bo: int,
                        bi: int, nbi: int, bt: int, bo_tile: int, bk: int, scalar_scale: bool,
                        precision):
@@ -170,19 +183,10 @@ def _fp8_matmul_kernel(x_ref, q_ref, s_ref, o_ref, *, t: int, out: int, inn: int
         if k_tail:
             cols = k0 + lax.broadcasted_iota(jnp.int32, (bk,), 0)
             col_ok = cols < inn
-        x_mask = q_mask = None
-        if k_tail or row_mask is not None:
-            x_mask = jnp.ones((bt, bk), jnp.bool_)
-            if row_mask is not None:
-                x_mask = x_mask & row_mask[:, None]
-            if k_tail:
-                x_mask = x_mask & col_ok[None, :]
-        if k_tail or och_mask is not None:
-            q_mask = jnp.ones((bo_tile, bk), jnp.bool_)
-            if och_mask is not None:
-                q_mask = q_mask & och_mask[:, None]
-            if k_tail:
-                q_mask = q_mask & col_ok[None, :]
+        else:
+            col_ok = None
+        x_mask = _tile_mask(row_mask, col_ok, (bt, bk))
+        q_mask = _tile_mask(och_mask, col_ok, (bo_tile, bk))
         xt = pltr.load(x_ref.at[pl.ds(t0, bt), pl.ds(k0, bk)], mask=x_mask,
                        other=None if x_mask is None else 0)
         qt = pltr.load(q_ref.at[pl.ds(o0, bo_tile), pl.ds(k0, bk)], mask=q_mask,
@@ -196,13 +200,7 @@ def _fp8_matmul_kernel(x_ref, q_ref, s_ref, o_ref, *, t: int, out: int, inn: int
     acc = lax.fori_loop(0, n_k, body, jnp.zeros((bt, bo_tile), jnp.float32))
     if nbi == 1:
         acc = apply(acc, scale_of(0))
-    y_mask = None
-    if row_mask is not None or och_mask is not None:
-        y_mask = jnp.ones((bt, bo_tile), jnp.bool_)
-        if row_mask is not None:
-            y_mask = y_mask & row_mask[:, None]
-        if och_mask is not None:
-            y_mask = y_mask & och_mask[None, :]
+    y_mask = _tile_mask(row_mask, och_mask, (bt, bo_tile))
     pltr.store(o_ref.at[pl.ds(t0, bt), pl.ds(o0, bo_tile)], acc.astype(o_ref.dtype),
                mask=y_mask)
 
