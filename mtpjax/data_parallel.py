@@ -123,13 +123,22 @@ class DataParallelEngine:
         for e in self.replicas:
             e.reset_timing(keys)
 
+    def warmup(self, depths: Sequence[int] | None = None, lanes: int | None = None) -> int:
+        """Engine.warmup on every replica; programs compiled in all."""
+        return sum(e.warmup(depths, lanes) for e in self.replicas)
+
+    @property
+    def depth_steps(self) -> list[int]:
+        return [sum(d) for d in zip(*(e.depth_steps for e in self.replicas))]
+
     def stats(self) -> dict:
         """Totals over the replicas, and each replica's own stats under "replicas"."""
         per = [e.stats() for e in self.replicas]
         total = {key: sum(s[key] for s in per) for key in _SUMMED}
         return {**total, **self.timing, "dp": self.dp, "tp": self.tp, "kernels": self.kernels,
                 "num_speculative_tokens": self.k, "max_seq_len": self.max_seq_len,
-                "page_size": per[0]["page_size"], "replicas": per}
+                "page_size": per[0]["page_size"], "depth_steps": self.depth_steps,
+                "policy": per[0]["policy"], "replicas": per}
 
 
 def make_engine(cfg: Config, params: Params, *, tp: int = 1, dp: int = 1,

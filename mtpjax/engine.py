@@ -11,7 +11,8 @@ Host loop (one iteration):
      iteration's writes (preemption by recompute when the pool is short), speculation depth
   2. at most one prefill chunk (one lane, bucketed length) -> its first token on the last chunk
   3. one `decode_step` over the decoding lanes (prefilling and empty lanes are padding),
-     verifying K drafts or 0 (policy)
+     verifying the depth 0..K the policy chose (fixed: SpeculationPolicy; adaptive:
+     depth.AdaptiveDepth, which learns from the step time and acceptance the engine reports)
   4. read back the emitted tokens; the scheduler applies stop conditions, streams them to
      on_token and frees finished lanes' pages
 
@@ -21,13 +22,14 @@ Device state: `model.Cache` with a `PagedKV` pool per full-attention layer and f
 The page table (kv_pool.PageAllocator.table) is sent with every program call.
 
 Compiled programs: one prefill program per chunk bucket (default 8, 16, ... prefill_chunk) and one
-decode program per (speculation depth used (K and 0), lane bucket 1, 2, 4, ... max_lanes): a
-step runs only the lane slots up to the highest busy lane, rounded up to a bucket, so idle lanes
-cost nothing; `stats()["compiled_programs"]`.
+decode program per (draft depth used (0..K), lane bucket 1, 2, 4, ... max_lanes): a step runs
+only the lane slots up to the highest busy lane, rounded up to a bucket, so idle lanes cost
+nothing; `stats()["compiled_programs"]`. `warmup()` compiles every decode program up front.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, Sequence
 
@@ -39,6 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from mtpjax import model, quant, steps, tensor_parallel
 from mtpjax.config import Config
+from mtpjax.depth import AdaptiveDepth
 from mtpjax.gdn import check_kernels
 from mtpjax.kv_pool import OutOfPagesError, PageAllocator, pages_for
 from mtpjax.params import Params
@@ -47,7 +50,8 @@ from mtpjax.scheduler import (FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FIN
                               Plan, Policy, PrefillWork, Request, RequestOutput, RequestStats,
                               Scheduler, SpeculationPolicy)
 
-__all__ = ["Engine", "RequestOutput", "RequestStats", "SpeculationPolicy", "OutOfPagesError",
+__all__ = ["Engine", "RequestOutput", "RequestStats", "SpeculationPolicy", "AdaptiveDepth",
+           "OutOfPagesError",
            "FINISH_STOP", "FINISH_LENGTH", "FINISH_ERROR", "FINISH_CANCELLED", "default_kernels"]
 
 
@@ -86,7 +90,10 @@ class Engine:
       interpreter, CPU tests); default: pallas on GPU, reference elsewhere.
     page_size, num_pages: the KV pool; num_pages defaults to every lane at full context (no
       preemption). A smaller pool admits by page budget and preempts by recompute.
-    speculation_policy: per-step choice between K and 0 drafts (scheduler.SpeculationPolicy).
+    speculation_policy: each step's draft depth 0..K: None or "fixed" = K whenever the pages
+      allow (scheduler.SpeculationPolicy), "adaptive" = depth.AdaptiveDepth() (the depth that
+      maximizes expected tokens per second from measured step cost and acceptance), or any
+      scheduler.Policy.
     prefill_buckets: padded chunk lengths, one prefill program each (default 8, 16, ...,
       prefill_chunk); the largest must be prefill_chunk.
     """
@@ -95,7 +102,7 @@ class Engine:
                  max_lanes: int = 4, max_seq_len: int = 1024, prefill_chunk: int = 64,
                  kernels: str | None = None, eos_token_ids: Sequence[int] | None = None,
                  page_size: int = 16, num_pages: int | None = None,
-                 speculation_policy: Policy | None = None,
+                 speculation_policy: Policy | str | None = None,
                  prefill_buckets: Sequence[int] | None = None,
                  tp: int = 1, devices: Sequence | None = None, mesh=None):
         k = int(num_speculative_tokens)
@@ -139,7 +146,14 @@ class Engine:
         self.prefill_chunk = prefill_chunk
         self.chunk_buckets = buckets
         self.eos = tuple(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
-        self.policy = speculation_policy or SpeculationPolicy()
+        if speculation_policy in (None, "fixed"):
+            speculation_policy = SpeculationPolicy()
+        elif speculation_policy == "adaptive":
+            speculation_policy = AdaptiveDepth()
+        elif isinstance(speculation_policy, str) or not callable(speculation_policy):
+            raise ValueError(f"speculation_policy must be 'fixed', 'adaptive' or a callable "
+                             f"policy, got {speculation_policy!r}")
+        self.policy = speculation_policy
         self.dtype = params.embed.dtype
         # Room past the context limit for the k+1 verify slots and the k-1 chained MTP slots,
         # so that where a request stops does not depend on k.
@@ -157,6 +171,7 @@ class Engine:
         self.timing = {"prefill_s": 0.0, "step_s": 0.0, "host_s": 0.0, "steps": 0,
                        "plain_steps": 0, "prefill_chunks": 0, "lane_moves": 0}
         self.preemptions = 0
+        self.depth_steps = [0] * (k + 1)          # decode steps run at each depth
         self._programs: set = set()
         self._sched: Scheduler | None = None
 
@@ -240,7 +255,7 @@ class Engine:
             else:
                 stops = frozenset(sp.stop_token_ids) | frozenset(self.eos)
                 sched.add(Request(i, p, sp, stops,
-                                  stats=RequestStats(accepted_per_position=[0] * self.k)))
+                                  stats=RequestStats.for_depth(self.k)))
         self._sched = sched
         try:
             while sched.has_work():
@@ -288,6 +303,7 @@ class Engine:
             active = np.zeros(nb, bool)
             active[list(plan.decode)] = True
             lanes = self._lane_sampling(sched, nb)
+            key = ("decode", plan.k, nb)
             t0 = time.perf_counter()
             self.cache, self.state, out, n_acc = steps.decode_step(
                 self.cfg, self.params, self.cache, self.state, lanes, jnp.asarray(active),
@@ -295,7 +311,12 @@ class Engine:
                 mesh=self.mesh)
             out, n_acc = np.asarray(out), np.asarray(n_acc)
             t1 = time.perf_counter()
-            self._programs.add(("decode", plan.k, nb))
+            observe = getattr(self.policy, "observe", None)
+            if observe is not None and plan.view is not None:
+                observe(dataclasses.replace(plan.view, bucket=nb), plan.k, t1 - t0,
+                        [int(n_acc[b]) for b in plan.decode], key not in self._programs)
+            self._programs.add(key)
+            self.depth_steps[plan.k] += 1
             for b in plan.decode:
                 sched.decode_done(b, [int(t) for t in out[b]], int(n_acc[b]), plan.k)
             self.timing["step_s"] += t1 - t0
@@ -320,9 +341,40 @@ class Engine:
         return int(first) if w.is_last else None
 
     def reset_timing(self, keys=None) -> None:
-        """Zero the step timers and counters (all, or `keys`), e.g. between timed passes."""
+        """Zero the step timers and counters (all, or `keys`), e.g. between timed passes;
+        resetting all also zeroes the per-depth step counts."""
         for key in (self.timing if keys is None else keys):
             self.timing[key] = 0
+        if keys is None:
+            self.depth_steps = [0] * (self.k + 1)
+
+    def warmup(self, depths: Sequence[int] | None = None, lanes: int | None = None) -> int:
+        """Compile the decode program of every depth (default 0..K) for every lane bucket up
+        to `lanes` (default max_lanes), so that a policy switching depths never compiles
+        mid-run. Each program runs once with every lane idle, which reads and writes no lane
+        state. Call it between generate calls. Returns how many programs it compiled."""
+        if self._sched is not None:
+            raise RuntimeError("warmup() cannot run inside generate()")
+        depths = range(self.k + 1) if depths is None else depths
+        top = self.max_lanes if lanes is None else min(int(lanes), self.max_lanes)
+        buckets = sorted({self.lane_bucket([b]) for b in range(top)})
+        n = 0
+        for nb in buckets:
+            lanes_s = LaneSampling.from_params([SamplingParams()] * nb)
+            for d in depths:
+                if not 0 <= d <= self.k:
+                    raise ValueError(f"depth {d} outside 0..{self.k}")
+                key = ("decode", d, nb)
+                if key in self._programs:
+                    continue
+                self.cache, self.state, out, _ = steps.decode_step(
+                    self.cfg, self.params, self.cache, self.state, lanes_s,
+                    jnp.zeros(nb, bool), jnp.asarray(self.alloc.table[:nb]), k=d,
+                    kernels=self.kernels, mesh=self.mesh)
+                out.block_until_ready()
+                self._programs.add(key)
+                n += 1
+        return n
 
     def stats(self) -> dict:
         return {"compiled_programs": len(self._programs),
@@ -331,6 +383,7 @@ class Engine:
                 "page_size": self.page_size, "pages_per_lane": self.pages_per_lane,
                 "preemptions": self.preemptions, "max_lanes": self.max_lanes,
                 "max_seq_len": self.max_seq_len, "num_speculative_tokens": self.k,
+                "policy": type(self.policy).__name__, "depth_steps": list(self.depth_steps),
                 "kernels": self.kernels, "tp": self.tp,
                 "weights": "fp8" if quant.has_fp8(self.params) else str(self.dtype),
                 "mtp_weights": (None if self.params.mtp is None else "fp8"

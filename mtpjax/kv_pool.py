@@ -19,8 +19,8 @@ preempted (`free(lane)`). Freed pages go on top of a LIFO free list, so page tab
 scrambled permutations of the pool after a little churn (the kernels must not care).
 
 How many tokens a step touches is the caller's business; `tokens_touched_*` below are the rules
-for the engine's programs (see steps.py): a decode step with k drafts writes target KV at
-pos..pos+k and MTP KV at pos..pos+2k-1.
+for the engine's programs (see steps.py): a decode step of depth d writes target KV at
+pos..pos+d and MTP KV at pos..pos+2d-1.
 """
 
 from __future__ import annotations
@@ -89,11 +89,11 @@ def tokens_touched_prefill(end: int, is_last: bool, k: int) -> int:
     return end + (max(k - 1, 0) if is_last else 0)
 
 
-def tokens_touched_decode(pos: int, k_step: int, k: int) -> int:
-    """KV positions [0, result) written by a decode step at `pos` verifying `k_step` drafts
-    on an engine that drafts `k`: target pos..pos+k_step, MTP pos..pos+a then (k_step > 0)
-    k-1 chained drafts, at most pos + k_step + k - 1."""
-    return pos + 1 + (k_step + k - 1 if k_step > 0 else 0)
+def tokens_touched_decode(pos: int, depth: int) -> int:
+    """KV positions [0, result) written by a decode step at `pos` verifying `depth` drafts:
+    target pos..pos+depth, MTP pos..pos+a (a <= depth accepted) then depth-1 chained drafts,
+    at most pos + 2 * depth - 1; a depth-0 step writes the MTP KV at pos only."""
+    return pos + 1 + max(2 * depth - 1, 0)
 
 
 class PageAllocator:

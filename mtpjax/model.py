@@ -36,6 +36,7 @@ chosen by the storage type in `kv_attend`:
 from __future__ import annotations
 
 import dataclasses
+from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -312,30 +313,46 @@ def kv_attend(kv: ContiguousKV | PagedKV, q, k, v, seg: Segment, sm_scale: float
 
 
 def _paged_attend(kv: PagedKV, q, k, v, seg: Segment, sm_scale: float, kernels: str):
-    if seg.page_table is None:
-        raise ValueError("paged KV storage needs a Segment with a page_table")
+    kv = kv_write(kv, k, v, seg)
     kv_lens = seg.start + seg.n_valid     # tokens in the cache after this call's write
-    k_pages, v_pages = pk.write_kv(kv.k, kv.v, k, v, seg.page_table, kv_lens, seg.n_valid)
-    if kernels == "reference":
-        o = pk.paged_attention_reference(q, k_pages, v_pages, seg.page_table, kv_lens,
-                                         seg.n_valid, sm_scale=sm_scale)
-    else:
-        o = pk.paged_attention(q, k_pages, v_pages, seg.page_table, kv_lens, seg.n_valid,
-                               sm_scale=sm_scale, interpret=kernels == "interpret")
-    return o, PagedKV(k_pages, v_pages, kv.page_size)
+    attend = (pk.paged_attention_reference if kernels == "reference" else
+              partial(pk.paged_attention, interpret=kernels == "interpret"))
+    o = attend(q, kv.k, kv.v, seg.page_table, kv_lens, seg.n_valid, sm_scale=sm_scale)
+    return o, kv
+
+
+def kv_write(kv: ContiguousKV | PagedKV, k, v, seg: Segment):
+    """Write this call's valid K/V rows (t < n_valid, at positions start + t) into one
+    layer's storage, attending nothing: what the MTP's KV fill needs (see mtp_fill_kv)."""
+    if isinstance(kv, PagedKV):
+        if seg.page_table is None:
+            raise ValueError("paged KV storage needs a Segment with a page_table")
+        k_pages, v_pages = pk.write_kv(kv.k, kv.v, k, v, seg.page_table,
+                                       seg.start + seg.n_valid, seg.n_valid)
+        return PagedKV(k_pages, v_pages, kv.page_size)
+    full = kv
+    return put_slots(full, seg.lane0, _contiguous_write(take_slots(kv, seg.lane0, k.shape[0]),
+                                                        k, v, seg))
+
+
+def _contiguous_write(kv: ContiguousKV, k, v, seg: Segment) -> ContiguousKV:
+    B, T = k.shape[:2]
+    S = kv.k.shape[1]
+    t = jnp.arange(T)
+    pos = seg.start[:, None] + t[None, :]                               # [B, T]
+    slot = jnp.where(t[None, :] < seg.n_valid[:, None], pos, S)         # invalid -> dropped
+    b_idx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
+    return ContiguousKV(kv.k.at[b_idx, slot].set(k.astype(kv.k.dtype), mode="drop"),
+                        kv.v.at[b_idx, slot].set(v.astype(kv.v.dtype), mode="drop"))
 
 
 def _contiguous_attend(kv: ContiguousKV, q, k, v, seg: Segment, sm_scale: float):
     B, T, NQ, HD = q.shape
     full = kv
-    kv = take_slots(kv, seg.lane0, B)
-    S, NKV = kv.k.shape[1], kv.k.shape[2]
-    t = jnp.arange(T)
-    pos = seg.start[:, None] + t[None, :]                               # [B, T]
-    slot = jnp.where(t[None, :] < seg.n_valid[:, None], pos, S)         # invalid -> dropped
-    b_idx = jnp.broadcast_to(jnp.arange(B)[:, None], (B, T))
-    k_all = kv.k.at[b_idx, slot].set(k.astype(kv.k.dtype), mode="drop")
-    v_all = kv.v.at[b_idx, slot].set(v.astype(kv.v.dtype), mode="drop")
+    kv = _contiguous_write(take_slots(kv, seg.lane0, B), k, v, seg)
+    k_all, v_all = kv.k, kv.v
+    S, NKV = k_all.shape[1], k_all.shape[2]
+    pos = seg.start[:, None] + jnp.arange(T)[None, :]                   # [B, T]
 
     G = NQ // NKV
     qg = q.reshape(B, T, NKV, G, HD)
@@ -346,12 +363,12 @@ def _contiguous_attend(kv: ContiguousKV, q, k, v, seg: Segment, sm_scale: float)
     p = jax.nn.softmax(s, axis=-1).astype(q.dtype)
     o = jnp.einsum("bngts,bsnd->btngd", p, v_all.astype(q.dtype),
                    preferred_element_type=jnp.float32).astype(q.dtype)
-    return o.reshape(B, T, NQ, HD), put_slots(full, seg.lane0, ContiguousKV(k_all, v_all))
+    return o.reshape(B, T, NQ, HD), put_slots(full, seg.lane0, kv)
 
 
-def attention_block(cfg: Config, p: AttnParams, x, kv, seg: Segment, cos, sin,
-                    kernels: str = "reference"):
-    """Gated full attention (spec §3.4). x [B, T, H] (already normed)."""
+def _project_qkv(cfg: Config, p: AttnParams, x, cos, sin):
+    """x [B, T, H] (normed) -> q [B, T, NQ, HD] (normed, roped), gate [B, T, NQ*HD],
+    k [B, T, NKV, HD] (normed, roped), v [B, T, NKV, HD]."""
     B, T, _ = x.shape
     nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
     qkv = dense(x, p.qkv)                                          # one GEMM over [q | k | v]
@@ -361,8 +378,16 @@ def attention_block(cfg: Config, p: AttnParams, x, kv, seg: Segment, cos, sin,
     v = qkv[..., (2 * nq + nkv) * hd:].reshape(B, T, nkv, hd)
     q = apply_rope(rmsnorm_1p(q, p.q_norm, cfg.rms_norm_eps), cos, sin, cfg.rotary_dim)
     k = apply_rope(rmsnorm_1p(k, p.k_norm, cfg.rms_norm_eps), cos, sin, cfg.rotary_dim)
-    o, kv = kv_attend(kv, q, k, v, seg, hd ** -0.5, kernels)
-    o = o.reshape(B, T, nq * hd) * jax.nn.sigmoid(gate.reshape(B, T, nq * hd))
+    return q, gate.reshape(B, T, nq * hd), k, v
+
+
+def attention_block(cfg: Config, p: AttnParams, x, kv, seg: Segment, cos, sin,
+                    kernels: str = "reference"):
+    """Gated full attention (spec §3.4). x [B, T, H] (already normed)."""
+    B, T, _ = x.shape
+    q, gate, k, v = _project_qkv(cfg, p, x, cos, sin)
+    o, kv = kv_attend(kv, q, k, v, seg, cfg.head_dim ** -0.5, kernels)
+    o = o.reshape(B, T, gate.shape[-1]) * jax.nn.sigmoid(gate)
     return row_parallel(cfg, o, p.o_proj), kv
 
 
@@ -559,11 +584,34 @@ def mtp_forward(cfg: Config, params: Params, cache: Cache, h_prev, next_tokens, 
     Returns (MTP post-norm hidden [B, T, H], cache).
     """
     m = params.mtp
+    x, cos, sin = _mtp_input(cfg, params, h_prev, next_tokens, seg)
+    x, kv = full_layer(cfg, m.layer, x, cache.mtp, seg, cos, sin, kernels)
+    return rmsnorm_1p(x, m.norm, cfg.rms_norm_eps), dataclasses.replace(cache, mtp=kv)
+
+
+def _mtp_input(cfg: Config, params: Params, h_prev, next_tokens, seg: Segment):
+    """The MTP layer's input x [B, T, H] for aligned pairs, and the pairs' rope tables."""
+    m = params.mtp
     eps = cfg.rms_norm_eps
     e = rmsnorm_1p(embed_tokens(cfg, params, next_tokens), m.pre_fc_norm_embedding, eps)
     hh = rmsnorm_1p(h_prev.astype(e.dtype), m.pre_fc_norm_hidden, eps)
     x = dense(jnp.concatenate([e, hh], axis=-1), m.fc)
     positions = seg.start[:, None] + jnp.arange(next_tokens.shape[1])[None, :]
     cos, sin = rope_cos_sin(cfg, positions, x.dtype)
-    x, kv = full_layer(cfg, m.layer, x, cache.mtp, seg, cos, sin, kernels)
-    return rmsnorm_1p(x, m.norm, eps), dataclasses.replace(cache, mtp=kv)
+    return x, cos, sin
+
+
+def mtp_fill_kv(cfg: Config, params: Params, cache: Cache, h_prev, next_tokens, seg: Segment):
+    """Write the MTP KV of aligned pairs without running the MTP: what a step that drafts
+    nothing (depth 0) needs so that later steps can draft again.
+
+    The MTP KV at position p depends only on the pair (h_p, token p+1): embedding, the two
+    norms, fc, the layer's input norm and its qkv projection. The attention, MLP, final norm
+    and lm_head (most of a draft's cost) are skipped. Arguments as in mtp_forward.
+    Returns the cache.
+    """
+    m = params.mtp
+    x, cos, sin = _mtp_input(cfg, params, h_prev, next_tokens, seg)
+    _, _, k, v = _project_qkv(cfg, m.layer.attn,
+                              rmsnorm_1p(x, m.layer.input_layernorm, cfg.rms_norm_eps), cos, sin)
+    return dataclasses.replace(cache, mtp=kv_write(cache.mtp, k, v, seg))

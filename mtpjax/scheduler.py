@@ -6,13 +6,17 @@ iteration, runs the plan's programs, and reports the tokens back:
   1. cancellations: cancelled requests end ("cancelled") and release their lane and pages.
   2. admission: queued requests (oldest first) take free lanes while the pool can promise the
      pages of their whole prefill on top of what running lanes still need (their unfinished
-     prefill and every decoding lane's next K-step).
+     prefill and every decoding lane's next depth-0 step: draft slots only use pages that are
+     free, see _promised).
   2b. compaction: the highest busy lanes move into the lowest free ones (Plan.moves), so the
      busy lanes are always 0..n-1 and a decode step's lane bucket holds no idle lane.
   3. work: at most one prefill chunk (the oldest lane still prefilling) plus one decode step
      over every lane that finished its prefill. A lane in prefill is idle in the decode step.
-  4. speculation depth: `policy(K, busy_lanes, pages_ok, step)` picks k = K or 0 for the step
-     (lossless either way: sampling keys depend on (seed, position) only).
+  4. draft depth: `policy(view)` picks the step's depth d in 0..K from a `StepView` (the
+     decoding lanes with their drafts and acceptance so far, the lane bucket, the deepest
+     depth the free pages cover); lossless whatever it picks: sampling keys depend on
+     (seed, position) only. `SpeculationPolicy` is the fixed depth, `depth.AdaptiveDepth`
+     chooses from measured step cost and acceptance.
   5. pages: each lane that runs gets the pages of every position the step writes
      (kv_pool.tokens_touched_*), oldest lane first. When the pool is short, the youngest
      running-or-waiting lane is preempted by recompute: its pages are freed and its request
@@ -38,12 +42,21 @@ FINISH_STOP, FINISH_LENGTH, FINISH_ERROR, FINISH_CANCELLED = "stop", "length", "
 
 @dataclasses.dataclass
 class RequestStats:
-    verify_steps: int = 0           # decode steps that verified drafts
-    drafted_tokens: int = 0
+    verify_steps: int = 0           # decode steps that verified drafts (depth > 0)
+    drafted_tokens: int = 0         # real drafts verified (not the empty slots of a deeper step)
     accepted_tokens: int = 0
+    # per draft position j: steps that verified a real draft j with drafts 1..j-1 accepted,
+    # and steps that accepted it (accepted/tried = the conditional acceptance of position j)
     accepted_per_position: list[int] = dataclasses.field(default_factory=list)
-    plain_steps: int = 0            # decode steps run with k = 0 (policy fallback / stock)
+    tried_per_position: list[int] = dataclasses.field(default_factory=list)
+    depth_steps: list[int] = dataclasses.field(default_factory=list)  # decode steps per depth
+    plain_steps: int = 0            # decode steps run with depth 0 (policy choice / stock)
     preemptions: int = 0
+
+    @staticmethod
+    def for_depth(k: int) -> "RequestStats":
+        return RequestStats(accepted_per_position=[0] * k, tried_per_position=[0] * k,
+                            depth_steps=[0] * (k + 1))
 
     @property
     def tokens_per_step(self) -> float:
@@ -77,6 +90,7 @@ class Lane:
     seq: list[int]            # prompt + tokens generated before admission (recompute)
     prefilled: int = 0        # tokens of seq already prefilled
     pos: int = -1             # decode: absolute position of the last emitted token
+    drafts: int = 0           # real drafts the lane holds for its next step (0..K)
 
     @property
     def prefilling(self) -> bool:
@@ -96,21 +110,48 @@ class PrefillWork:
 class Plan:
     prefill: PrefillWork | None
     decode: tuple[int, ...]   # lanes in the decode step
-    k: int                    # drafts verified by the decode step (0 or K)
+    k: int                    # drafts verified by the decode step (its depth, 0..K)
     preempted: tuple[int, ...] = ()   # request ids preempted while planning
     moves: tuple[tuple[int, int], ...] = ()   # (src, dst) lane moves to apply first (compaction)
+    view: "StepView | None" = None    # what the policy saw (lanes in decode order)
+
+
+@dataclasses.dataclass(frozen=True)
+class LaneView:
+    """One decoding lane as a depth policy sees it."""
+    request_id: int
+    pos: int                  # absolute position of its last emitted token
+    drafts: int               # real drafts it holds (a deeper step verifies empty slots too)
+    stats: RequestStats       # its acceptance so far (per-position counts)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepView:
+    """What a depth policy decides from, once per decode step."""
+    K: int                    # the engine's draft slots: depths 0..K are allowed
+    max_depth: int            # deepest depth whose pages are free now (deeper preempts)
+    lanes: tuple[LaneView, ...]   # the decoding lanes, in lane order
+    bucket: int               # lane slots the step runs (1, 2, 4, ... <= max_lanes)
+    step: int                 # scheduler iteration
+
+    @property
+    def context(self) -> int:
+        return max((ln.pos for ln in self.lanes), default=0)
 
 
 class Policy(Protocol):
-    def __call__(self, k: int, busy_lanes: int, pages_ok: bool, step: int) -> int: ...
+    """Chooses each decode step's depth; may also learn from what the step measured
+    (`observe(view, depth, seconds, accepted, compiled)`, called by the engine when present)."""
+    def __call__(self, view: StepView) -> int: ...
 
 
 @dataclasses.dataclass(frozen=True)
 class SpeculationPolicy:
-    """Per-step depth: K while at most `max_busy_lanes` lanes decode (None: any number) and the
-    free pages cover every decoding lane's K-step; else 0 (one token per lane, MTP kept warm).
+    """Fixed depth: K while at most `max_busy_lanes` lanes decode (None: any number), capped
+    at the deepest depth the free pages cover; 0 above max_busy_lanes.
 
-    Any callable (k, busy_lanes, pages_ok, step) -> 0 or k can stand in for it.
+    Any callable StepView -> depth in 0..K can stand in for it (depth.AdaptiveDepth chooses
+    from measured cost and acceptance).
     """
     max_busy_lanes: int | None = None
 
@@ -118,12 +159,10 @@ class SpeculationPolicy:
         if self.max_busy_lanes is not None and self.max_busy_lanes < 0:
             raise ValueError(f"max_busy_lanes must be >= 0 or None, got {self.max_busy_lanes}")
 
-    def __call__(self, k: int, busy_lanes: int, pages_ok: bool, step: int) -> int:
-        if k == 0 or not pages_ok:
+    def __call__(self, view: StepView) -> int:
+        if self.max_busy_lanes is not None and len(view.lanes) > self.max_busy_lanes:
             return 0
-        if self.max_busy_lanes is not None and busy_lanes > self.max_busy_lanes:
-            return 0
-        return k
+        return max(min(view.K, view.max_depth), 0)
 
 
 class Scheduler:
@@ -149,7 +188,7 @@ class Scheduler:
         k = self.k
         end = min(prompt_len + max_new_tokens, self.max_seq_len)
         last_pos = end - 2                       # position of the last token fed to a step
-        decode = (tokens_touched_decode(last_pos, k, k) if last_pos >= prompt_len
+        decode = (tokens_touched_decode(last_pos, k) if last_pos >= prompt_len
                   else 0)
         return pages_for(max(tokens_touched_prefill(prompt_len, True, k), decode),
                          self.alloc.page_size)
@@ -176,13 +215,16 @@ class Scheduler:
         return tokens_touched_prefill(end, end == len(ln.seq), self.k)
 
     def _promised(self) -> int:
-        """Pages running lanes will want soon: rest of their prefill, or their next K-step."""
+        """Pages running lanes will want soon: rest of their prefill, or their next step at
+        depth 0. Deeper steps run only on pages that are free then (the policy sees
+        `max_depth`), so draft slots never keep a request out: admission is the same whatever
+        K is, and under page pressure the depth gives way, not the lanes."""
         n = 0
         for b, ln in enumerate(self.lanes):
             if ln is None:
                 continue
             want = (self._prefill_tokens(ln, True) if ln.prefilling
-                    else tokens_touched_decode(ln.pos, self.k, self.k))
+                    else tokens_touched_decode(ln.pos, 0))
             n += self.alloc.needed(b, want)
         return n
 
@@ -218,15 +260,27 @@ class Scheduler:
         running = self._running()
         pre = next((b for b in running if self.lanes[b].prefilling), None)
         decode = [b for b in running if not self.lanes[b].prefilling]
-        want_k = {b: tokens_touched_decode(self.lanes[b].pos, self.k, self.k) for b in decode}
-        need_k = sum(self.alloc.needed(b, t) for b, t in want_k.items())
-        if pre is not None:
-            need_k += self.alloc.needed(pre, self._prefill_tokens(self.lanes[pre]))
-        k = self.policy(self.k, len(decode), need_k <= self.alloc.free_pages, self.step)
-        if k not in (0, self.k):
-            raise ValueError(f"speculation policy returned {k}; it must return 0 or {self.k}")
+        pre_need = (self.alloc.needed(pre, self._prefill_tokens(self.lanes[pre]))
+                    if pre is not None else 0)
 
-        want = {b: tokens_touched_decode(self.lanes[b].pos, k, self.k) for b in decode}
+        def fits(d: int) -> bool:
+            return pre_need + sum(self.alloc.needed(b, tokens_touched_decode(
+                self.lanes[b].pos, d)) for b in decode) <= self.alloc.free_pages
+        max_depth = next((d for d in range(self.k, -1, -1) if fits(d)), 0)
+        view = None
+        k = 0
+        if decode:
+            top = len(running)     # busy lanes are 0..n-1 after compaction
+            view = StepView(self.k, max_depth, tuple(
+                LaneView(self.lanes[b].req.id, self.lanes[b].pos, self.lanes[b].drafts,
+                         self.lanes[b].req.stats) for b in decode),
+                min(1 << (top - 1).bit_length(), self.alloc.max_lanes), self.step)
+            k = self.policy(view)
+            if not (isinstance(k, int) and 0 <= k <= self.k):
+                raise ValueError(f"speculation policy returned {k!r}; it must return a depth "
+                                 f"in 0..{self.k}")
+
+        want = {b: tokens_touched_decode(self.lanes[b].pos, k) for b in decode}
         if pre is not None:
             want[pre] = self._prefill_tokens(self.lanes[pre])
         preempted = []
@@ -254,7 +308,7 @@ class Scheduler:
             s, e = ln.prefilled, min(ln.prefilled + self.chunk, len(ln.seq))
             work = PrefillWork(pre, s, ln.seq[s:e], ln.seq[s + 1:e + 1], e == len(ln.seq))
         self.step += 1
-        return Plan(work, tuple(decode), k if decode else 0, tuple(preempted), moves)
+        return Plan(work, tuple(decode), k if decode else 0, tuple(preempted), moves, view)
 
     def _compact(self) -> tuple[tuple[int, int], ...]:
         """Move the highest busy lanes into the lowest free ones, so that the busy lanes are
@@ -277,20 +331,26 @@ class Scheduler:
         ln.prefilled = work.start + len(work.tokens)
         if work.is_last:
             ln.pos = len(ln.seq)
+            ln.drafts = self.k             # the prefill drafts K (steps.prefill_chunk)
             self._emit(work.lane, [int(first_token)])
 
     def decode_done(self, lane: int, tokens: list[int], n_accepted: int, k: int) -> None:
         ln = self.lanes[lane]
         st = ln.req.stats
+        if st.depth_steps:
+            st.depth_steps[k] += 1
         if k:
+            real = min(k, ln.drafts)       # slots past the lane's drafts were empty
             st.verify_steps += 1
-            st.drafted_tokens += k
+            st.drafted_tokens += real
             st.accepted_tokens += n_accepted
-            for j in range(n_accepted):
-                st.accepted_per_position[j] += 1
+            for j in range(min(real, n_accepted + 1)):
+                st.tried_per_position[j] += 1
+                st.accepted_per_position[j] += j < n_accepted
         else:
             st.plain_steps += 1
         ln.pos += n_accepted + 1
+        ln.drafts = k
         self._emit(lane, tokens[:n_accepted + 1])
 
     def _emit(self, lane: int, toks: list[int]) -> None:

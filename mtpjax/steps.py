@@ -4,20 +4,22 @@ This is JAX's analogue of CUDA graphs: the host launches one XLA program per ste
 back only the emitted tokens. Nothing inside a step waits for the host.
 
 `prefill_chunk` (one lane, one chunk of its prompt):
-  target forward over the chunk (chunked GDN) -> MTP over the chunk's aligned pairs, which
-  fills the MTP KV cache at every prompt position (spec §5.3) -> on the last chunk: sample the
-  first token at position N, then draft d_1..d_k with the MTP.
+  target forward over the chunk (chunked GDN) -> the MTP KV of the chunk's aligned pairs at
+  every prompt position (spec §5.3; model.mtp_fill_kv, the KV projection only) and the MTP
+  layer at the chunk's last pair -> on the last chunk: sample the first token at position N,
+  then draft d_1..d_k with the MTP.
 
-`decode_step` (every lane; k drafts, k = 0 is the stock engine; an engine that drafts K can
-run a step with k = 0 drafts verified, see "per-step speculation depth" below):
-  1. target forward over [t_P, d_1..d_k] at positions P..P+k (GDN: replay the previous step's
-     accepted tokens, run the block; KV: write k+1 entries)
+`decode_step` (every lane; depth d drafts verified, 0 <= d <= K, the engine's draft slots;
+d = 0 on an engine with K = 0 is the stock engine):
+  1. target forward over [t_P, d_1..d_d] at positions P..P+d (GDN: replay the previous step's
+     accepted tokens, run the block; KV: write d+1 entries)
   2. sampling.verify: the target token at every position, drawn with the key of
      (seed, position), accepted while it equals the draft -> a accepted, token c at P+a+1
   3. rollback: n_pend = a + 1 (GDN replays only the accepted prefix next step; KV entries past
      P+a are dead and get overwritten)
   4. MTP re-run over the accepted positions P..P+a with the TRUE target hidden states
-     (overwriting the MTP KV written while drafting), then k-1 chained MTP steps -> next drafts
+     (overwriting the MTP KV written while drafting), then d-1 chained MTP steps -> the next
+     step's d drafts
 
 KV lives in the paged pool (model.PagedKV); every program takes the page table of the lanes it
 runs (i32[B, pages_per_lane], the same for all layers and the MTP) and the host must have
@@ -30,13 +32,17 @@ lanes: the lanes' arguments (sampling, active, page table) are B long and fix B 
 one program per bucket. Slots >= B are neither read nor written, so an idle lane costs nothing
 (the GDN kernel takes the whole state and runs B lanes of it in place).
 
-Per-step speculation depth. The cache and LaneState are sized for the engine's K drafts
-(P = K + 1 pending slots, drafts [B, K]); a step may verify k = K or k = 0 of them. With k = 0
-and K > 0 the step still runs the MTP over the accepted pair at P (so the MTP KV stays filled
-with true hidden states for every committed position: the invariant that makes switching back
-to k = K safe) and makes d_1 from it; d_2..d_K are left 0 and the chain is skipped, which only
-costs acceptance on the first K-step after a switch. Output is lossless either way: sampling
-keys depend on (seed, position) only.
+Draft depth per step. The cache and LaneState are sized for the engine's K draft slots
+(P = K + 1 pending slots, drafts [B, K]); each step verifies the first d of them, d chosen by
+the host each step (mtpjax/depth.py), one program per (d, lane bucket). A depth-d step leaves
+d fresh drafts (slots past d hold 0). The next step may verify more than that: the extra
+slots hold 0 or stale drafts, which verification simply rejects (any draft is lossless; it
+only costs that step's acceptance, and the host counts acceptance only over real drafts).
+A depth-0 step on a K > 0 engine drafts nothing but still writes the MTP KV of its committed
+pair (model.mtp_fill_kv: fc and the KV projection only, not the MTP's attention, MLP or
+lm_head), so the MTP cache holds true entries at every committed position whatever the depth
+sequence was: the invariant that makes any later depth exact to draft from. Output is
+lossless whatever the depths: sampling keys depend on (seed, position) only.
 """
 
 from __future__ import annotations
@@ -174,8 +180,14 @@ def _prefill_body(cfg: Config, params: Params, cache: Cache, state: LaneState, l
     if k > 0:
         nt = jnp.where(is_last & (jnp.arange(tokens.shape[1]) == last)[None], first[:, None],
                        next_tokens)
-        h_mtp, cache = model.mtp_forward(cfg, params, cache, h, nt, seg, kernels)
-        hm_last = lax.dynamic_index_in_dim(h_mtp, last, axis=1, keepdims=False)
+        # The MTP KV of every pair of the chunk (fc + KV projection), then the MTP layer at
+        # the last pair only: the drafts need its output there, nothing needs the others'.
+        cache = model.mtp_fill_kv(cfg, params, cache, h, nt, seg)
+        pick = lambda x: lax.dynamic_slice_in_dim(x, last, 1, axis=1)
+        h_mtp, cache = model.mtp_forward(cfg, params, cache, pick(h), pick(nt),
+                                         Segment(start[None] + last, jnp.ones((1,), jnp.int32),
+                                                 page_table, lane), kernels)
+        hm_last = h_mtp[:, 0]
         d1 = model.argmax_tokens(cfg, params, hm_last)
         drafts, cache = draft_chain(cfg, params, cache, hm_last, d1, start[None] + last,
                                     jnp.ones((1,), bool), page_table, k, kernels)
@@ -194,13 +206,14 @@ def _prefill_body(cfg: Config, params: Params, cache: Cache, state: LaneState, l
 def decode_step(cfg: Config, params: Params, cache: Cache, state: LaneState,
                 lanes: sampling.LaneSampling, active, page_table, *, k: int, kernels: str,
                 mesh=None):
-    """One decode (k = 0) or draft-verify-accept-rollback-redraft step for lanes 0..B-1.
+    """One draft-verify-accept-rollback-redraft step of depth k for lanes 0..B-1.
 
-    k: drafts verified this step, K (= state.drafts.shape[1], what the cache is sized for) or 0.
+    k: drafts verified this step, 0..K (K = state.drafts.shape[1], what the cache is sized
+    for); the step leaves k fresh drafts (none for k = 0, see "Draft depth per step").
     lanes, active bool[B], page_table i32[B, pages_per_lane]: the first B lane slots (the lane
     bucket; B <= the cache's slots). Idle lanes run as padding (n_valid 0) and keep their state;
     slots >= B are untouched. An active lane at position P needs pages for positions
-    [0, kv_pool.tokens_touched_decode(P, k, K)).
+    [0, kv_pool.tokens_touched_decode(P, k)).
     Returns (cache, state, tokens i32[B, k+1] (-1 past the emitted ones), n_accepted i32[B]).
     mesh: as in prefill_chunk.
     """
@@ -212,8 +225,8 @@ def _decode_body(cfg: Config, params: Params, cache: Cache, state: LaneState, la
                  page_table, *, k: int, kernels: str):
     B = active.shape[0]
     K = state.drafts.shape[1]
-    if k not in (0, K):
-        raise ValueError(f"a step verifies 0 or all {K} drafts, got k={k}")
+    if not 0 <= k <= K:
+        raise ValueError(f"a step verifies 0..{K} drafts (the engine's draft slots), got k={k}")
     if K + 1 > cache.num_pending_slots:
         raise ValueError(f"{K} drafts need {K + 1} pending slots, cache has "
                          f"{cache.num_pending_slots}")
@@ -236,16 +249,17 @@ def _decode_body(cfg: Config, params: Params, cache: Cache, state: LaneState, la
 
     if K > 0:
         nt = jnp.maximum(out, 0)
-        h_mtp, cache = model.mtp_forward(
-            cfg, params, cache, h, nt,
-            Segment(state.pos, jnp.where(active, n_acc + 1, 0), page_table), kernels)
-        hm_last = h_mtp[rows, n_acc]
-        d1 = model.argmax_tokens(cfg, params, hm_last)
+        seg_acc = Segment(state.pos, jnp.where(active, n_acc + 1, 0), page_table)
         if k > 0:
+            h_mtp, cache = model.mtp_forward(cfg, params, cache, h, nt, seg_acc, kernels)
+            hm_last = h_mtp[rows, n_acc]
+            d1 = model.argmax_tokens(cfg, params, hm_last)
             drafts, cache = draft_chain(cfg, params, cache, hm_last, d1, state.pos + n_acc,
-                                        active, page_table, K, kernels)
-        else:  # MTP kept warm; d_2..d_K are re-made by the next K-step
-            drafts = jnp.zeros((B, K), jnp.int32).at[:, 0].set(d1)
+                                        active, page_table, k, kernels)
+            drafts = jnp.pad(drafts, ((0, 0), (0, K - k)))
+        else:  # depth 0: keep the MTP KV true at P, draft nothing
+            cache = model.mtp_fill_kv(cfg, params, cache, h, nt, seg_acc)
+            drafts = jnp.zeros((B, K), jnp.int32)
         drafts = jnp.where(active[:, None], drafts, state.drafts)
     else:
         drafts = state.drafts

@@ -72,9 +72,9 @@ def test_allocator_sizes_should_be_positive(bad):
 
 def test_draft_slot_reservation_rules():
     # decode at pos P with k drafts: target P..P+k, MTP re-run P..P+a, chain to P+a+k-1
-    assert tokens_touched_decode(10, 3, 3) == 10 + 2 * 3        # positions 10..15
-    assert tokens_touched_decode(10, 0, 3) == 11                 # k=0 step: P only (MTP warm)
-    assert tokens_touched_decode(10, 0, 0) == 11
+    assert tokens_touched_decode(10, 3) == 10 + 2 * 3           # positions 10..15
+    assert tokens_touched_decode(10, 1) == 12                   # target 10, 11; MTP 10, 11
+    assert tokens_touched_decode(10, 0) == 11                   # depth 0: P only (MTP KV fill)
     # prefill: the last chunk also chains k-1 MTP drafts after the prompt
     assert tokens_touched_prefill(7, True, 3) == 9
     assert tokens_touched_prefill(7, False, 3) == 7
@@ -104,20 +104,21 @@ class MockModel:
         ps = self.alloc.page_size
         return [self.pool[(int(self.alloc.table[lane, p // ps]), p % ps)] for p in range(n)]
 
-    def make_drafts(self, lane, ctx_len, first, start_pos, warm_only=False):
-        """Drafts for positions start_pos+1..: right unless the position is divisible by 3.
-        Writes the MTP KV slots the real chain writes: start_pos .. start_pos+k-2."""
+    def make_drafts(self, lane, ctx_len, first, start_pos, n):
+        """n drafts for positions start_pos+1..: right unless the position is divisible by 3;
+        the other of the k slots hold 0. Writes the MTP KV slots the real chain writes:
+        start_pos .. start_pos+n-2."""
         ctx = self.context(lane, ctx_len) + [first]
         drafts = []
-        for j in range(self.k):
+        for j in range(n):
             p = start_pos + 1 + j
             t = oracle(ctx)
             d = t if p % 3 else (t + 1) % V
             drafts.append(d)
             ctx = ctx + [d]
-            if j > 0 and not warm_only:
+            if j > 0:
                 self.write(lane, start_pos + j - 1, d, mtp=True)   # chained MTP step
-        self.drafts[lane] = drafts if not warm_only else drafts[:1] + [0] * (self.k - 1)
+        self.drafts[lane] = drafts + [0] * (self.k - n)
 
     def prefill(self, w):
         for i, t in enumerate(w.tokens):
@@ -129,7 +130,7 @@ class MockModel:
         first = oracle(self.context(w.lane, n))
         self.last[w.lane] = (first, n)
         if self.k:
-            self.make_drafts(w.lane, n, first, n)
+            self.make_drafts(w.lane, n, first, n, self.k)
         return first
 
     def move(self, src, dst):
@@ -156,7 +157,7 @@ class MockModel:
         new_pos = pos + acc + 1
         self.last[lane] = (out[acc], new_pos)
         if self.k:
-            self.make_drafts(lane, new_pos, out[acc], new_pos, warm_only=(k == 0))
+            self.make_drafts(lane, new_pos, out[acc], new_pos, k)
         return out, acc
 
 
@@ -188,7 +189,7 @@ def run_mock(reqs, *, lanes, pages, page_size, k, chunk=5, max_seq_len=64, polic
     for i, (p, sp) in enumerate(reqs):
         assert sched.pages_worst_case(len(p), sp.max_new_tokens) <= pages
         sched.add(Request(i, p, sp, frozenset(sp.stop_token_ids),
-                          stats=RequestStats(accepted_per_position=[0] * k)))
+                          stats=RequestStats.for_depth(k)))
     m = MockModel(alloc, k)
     ks = []
     while sched.has_work():
@@ -228,12 +229,12 @@ def test_mock_outputs_do_not_depend_on_lanes_pool_or_preemption(k):
         assert o.finish_reason == "length"
     if k:
         assert sum(o.stats.accepted_tokens for o in sched.finished.values()) > 0
-        assert 0 in ks and k in ks       # pages ran short: the default policy fell back
+        assert min(ks) < k and k in ks   # pages ran short: the default policy went shallower
 
 
 def test_mock_alternating_policy_and_busy_threshold():
     reqs = random_requests(40, seed=5)
-    alt = lambda k, busy, ok, step: k if step % 2 else 0
+    alt = lambda view: view.K if view.step % 2 else 0
     sched, _, ks = run_mock(reqs, lanes=4, pages=200, page_size=4, k=2, policy=alt)
     assert set(ks) == {0, 2}
     for i, (p, sp) in enumerate(reqs):
@@ -245,10 +246,11 @@ def test_mock_alternating_policy_and_busy_threshold():
         assert sched.finished[i].token_ids == expected(p, sp.max_new_tokens)
 
 
-def test_policy_must_return_zero_or_k():
+def test_policy_must_return_a_depth_in_range():
     reqs = random_requests(2, seed=1)
-    with pytest.raises(ValueError, match="must return 0 or 2"):
-        run_mock(reqs, lanes=2, pages=100, page_size=4, k=2, policy=lambda *a: 1)
+    for bad in (3, -1, 1.0):
+        with pytest.raises(ValueError, match="must return a depth in 0..2"):
+            run_mock(reqs, lanes=2, pages=100, page_size=4, k=2, policy=lambda view: bad)
 
 
 def test_stop_tokens_and_context_limit():

@@ -1,0 +1,244 @@
+"""Draft depth per step (0..K): lossless under any depth sequence, the depth-0 MTP KV fill is
+exact, and the adaptive policy converges where its cost and acceptance say it should.
+
+Engine tests use the VOCAB11 random model (drafts land often enough that accept, rollback
+and redraft run at every depth); policy tests drive `depth.AdaptiveDepth` with synthetic
+step views and costs (pure host code, no device).
+"""
+
+import dataclasses
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mtpjax
+from mtpjax import model, steps
+from mtpjax.depth import AdaptiveDepth, StepCosts, context_bucket
+from mtpjax.sampling import SamplingParams
+from mtpjax.scheduler import LaneView, RequestStats, StepView
+
+from tiny_models import VOCAB11_CFG as CFG, VOCAB11_PARAMS as PARAMS
+
+K = 3
+RNG = np.random.default_rng(5)
+PROMPTS = [list(map(int, RNG.integers(0, 11, n))) for n in (3, 21, 9, 40, 1, 14)]
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=28)
+SAMPLED = [SamplingParams(temperature=t, top_k=tk, top_p=tp, seed=s, max_new_tokens=28)
+           for t, tk, tp, s in ((1.0, 0, 1.0, 3), (0.7, 5, 0.9, 8), (1.3, 0, 0.8, 1),
+                                (1.0, 4, 1.0, 21), (0.9, 0, 1.0, 5), (1.1, 6, 0.95, 2))]
+
+
+class RandomDepth:
+    """Forced random depths (seeded), capped by nothing: deeper than the lane's drafts too."""
+
+    def __init__(self, seed: int):
+        self.rng = random.Random(seed)
+        self.seen = set()
+
+    def __call__(self, view: StepView) -> int:
+        d = self.rng.randint(0, view.K)
+        self.seen.add(d)
+        return d
+
+
+def _engine(k, policy=None, **kw):
+    return mtpjax.Engine(CFG, PARAMS, num_speculative_tokens=k, max_lanes=4, max_seq_len=96,
+                         prefill_chunk=16, speculation_policy=policy, **kw)
+
+
+@pytest.fixture(scope="module")
+def plain():
+    e = _engine(0)
+    return e.generate(PROMPTS, GREEDY), e.generate(PROMPTS, SAMPLED)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_random_depth_sequences_equal_plain_greedy_and_sampled(plain, seed):
+    greedy, sampled = plain
+    policy = RandomDepth(seed)
+    e = _engine(K, policy)
+    outs = []
+    for ref, sp in ((greedy, GREEDY), (sampled, SAMPLED)):
+        outs += e.generate(PROMPTS, sp)
+        for a, b in zip(ref, outs[-len(ref):]):
+            assert b.error is None and b.token_ids == a.token_ids
+    assert policy.seen == set(range(K + 1))
+    steps = e.stats()["depth_steps"]
+    assert all(n > 0 for n in steps), steps
+    assert sum(steps) == e.stats()["steps"]
+    # drafts were accepted, and counted only over real drafts
+    acc = np.sum([o.stats.accepted_per_position for o in outs], axis=0)
+    tried = np.sum([o.stats.tried_per_position for o in outs], axis=0)
+    assert acc[0] > 0 and (acc <= tried).all(), (acc, tried)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_random_depths_with_oracle_drafts_accepted_deep(plain, monkeypatch, sampled):
+    """A random model's drafts rarely land past position 1, so here the drafts are replaced
+    before every step by the plain engine's own next tokens, a few of them corrupted: steps
+    accept 0..d drafts at every depth d, the GDN replays up to K + 1 pending tokens after
+    a deep step and then runs a shallower block, and the output must not change."""
+    ref = plain[1 if sampled else 0]
+    params = SAMPLED if sampled else [GREEDY] * len(PROMPTS)
+    rng = random.Random(7)
+    real = steps.decode_step
+
+    def oracle_drafts(cfg, prm, cache, state, lanes, active, table, **kw):
+        seq = PROMPTS[i] + ref[i].token_ids
+        P = int(state.pos[0])
+        d = [seq[P + 1 + j] if P + 1 + j < len(seq) and rng.random() > 0.15 else 10 - j
+             for j in range(K)]
+        state = dataclasses.replace(state, drafts=jnp.asarray([d], jnp.int32))
+        return real(cfg, prm, cache, state, lanes, active, table, **kw)
+
+    monkeypatch.setattr(steps, "decode_step", oracle_drafts)
+    e = mtpjax.Engine(CFG, PARAMS, num_speculative_tokens=K, max_lanes=1, max_seq_len=96,
+                      prefill_chunk=16, speculation_policy=RandomDepth(3))
+    acc = np.zeros(K, int)
+    for i in range(len(PROMPTS)):
+        out = e.generate([PROMPTS[i]], params[i])[0]
+        assert out.token_ids == ref[i].token_ids, i
+        acc += out.stats.accepted_per_position
+    assert (acc > 0).all(), acc
+
+
+def test_adaptive_engine_equals_plain_and_warmup_compiles_every_depth(plain):
+    greedy, sampled = plain
+    e = _engine(K, "adaptive", page_size=8)
+    n = e.warmup()
+    assert n == (K + 1) * 3                      # depths 0..K x lane buckets 1, 2, 4
+    assert e.warmup() == 0
+    for ref, sp in ((greedy, GREEDY), (sampled, SAMPLED)):
+        for a, b in zip(ref, e.generate(PROMPTS, sp)):
+            assert b.token_ids == a.token_ids
+    s = e.stats()
+    assert s["policy"] == "AdaptiveDepth" and s["free_pages"] == s["total_pages"]
+    assert {key for key in s["programs"] if key[0] == "decode"} == {
+        ("decode", d, nb) for d in range(K + 1) for nb in (1, 2, 4)}   # nothing new compiled
+    rep = e.policy.report()
+    assert sum(rep["chosen"].values()) == sum(s["depth_steps"]) and rep["costs_ms"]
+
+
+def test_bad_policy_values_are_refused():
+    with pytest.raises(ValueError, match="speculation_policy must be"):
+        _engine(K, "sometimes")
+    e = _engine(K, lambda view: K + 1)
+    out = None
+    with pytest.raises(ValueError, match="must return a depth in 0..3"):
+        out = e.generate(PROMPTS[:1], GREEDY)
+    assert out is None and e.stats()["free_pages"] == e.stats()["total_pages"]
+
+
+# ------------------------------------------------------------------------- model level
+
+def test_mtp_kv_fill_writes_what_the_mtp_forward_writes():
+    """The depth-0 step writes the MTP KV with fc + the KV projection only: the entries must
+    equal those of the full MTP layer, at the right pages, and nothing else may change."""
+    r = np.random.default_rng(2)
+    num_pages, page = 10, 4
+    cache = model.init_paged_cache(CFG, 2, num_pages, page, K + 1)
+    cache = model.map_kv(cache, lambda kv: model.PagedKV(jnp.full_like(kv.k, jnp.nan),
+                                                         jnp.full_like(kv.v, jnp.nan),
+                                                         kv.page_size))
+    table = jnp.asarray(r.permutation(num_pages)[:8].reshape(2, 4), jnp.int32)
+    h = jnp.asarray(r.normal(size=(2, 3, CFG.hidden_size)), jnp.float32)
+    nt = jnp.asarray(r.integers(0, 11, (2, 3)), jnp.int32)
+    seg = model.Segment(jnp.asarray([5, 0], jnp.int32), jnp.asarray([3, 2], jnp.int32), table)
+    _, full = model.mtp_forward(CFG, PARAMS, cache, h, nt, seg)
+    fill = model.mtp_fill_kv(CFG, PARAMS, cache, h, nt, seg)
+    for a, b in ((full.mtp.k, fill.mtp.k), (full.mtp.v, fill.mtp.v)):
+        a, b = np.asarray(a), np.asarray(b)
+        np.testing.assert_allclose(b, a, rtol=1e-6, atol=1e-6, equal_nan=True)
+        assert np.isfinite(b).sum() == 2 * (3 + 2) * b.shape[-1]   # NKV heads x 5 rows
+    for x, y in zip(jax.tree.leaves(full.layers), jax.tree.leaves(fill.layers)):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+# ------------------------------------------------------------------------- the policy
+
+def _view(lanes, max_depth=K, bucket=1, pos=100, stats=None):
+    st = stats or RequestStats.for_depth(K)
+    return StepView(K, max_depth, tuple(LaneView(i, pos, K, st) for i in range(lanes)), bucket,
+                    0)
+
+
+def _drive(policy, accept, cost, steps=400, lanes=1, max_depth=K):
+    """Run the policy against a synthetic device: cost(d) seconds per step, and each lane's
+    draft j accepted with probability accept[j] given the earlier ones (seeded)."""
+    rng = random.Random(0)
+    stats = RequestStats.for_depth(K)
+    picks = []
+    for _ in range(steps):
+        view = _view(lanes, max_depth, stats=stats)
+        d = policy(view)
+        assert 0 <= d <= min(K, max_depth)
+        acc = []
+        for _ in range(lanes):
+            n = 0
+            while n < d and rng.random() < accept[n]:
+                n += 1
+            acc.append(n)
+            for j in range(min(d, n + 1)):
+                stats.tried_per_position[j] += 1
+                stats.accepted_per_position[j] += j < n
+        policy.observe(view, d, cost(d), acc, False)
+        picks.append(d)
+    return picks
+
+
+def test_useless_head_settles_on_depth_zero():
+    picks = _drive(AdaptiveDepth(), accept=[0.0] * K, cost=lambda d: 1.0 + 0.2 * d)
+    assert picks[-200:].count(0) >= 190
+
+
+def test_perfect_head_with_flat_cost_goes_deepest():
+    picks = _drive(AdaptiveDepth(), accept=[1.0] * K, cost=lambda d: 1.0 + 0.01 * d)
+    assert picks[-200:].count(K) >= 190
+
+
+def test_middle_depth_when_acceptance_falls_along_the_draft():
+    # E_1 = 1.9, E_2 = 2.08, E_3 = 2.098; cost 1 + 0.3 d: rates 1.46, 1.30, 1.10 -> depth 1
+    picks = _drive(AdaptiveDepth(), accept=[0.9, 0.2, 0.1], cost=lambda d: 1.0 + 0.3 * d)
+    assert picks[-200:].count(1) >= 190
+
+
+def test_pages_cap_the_depth():
+    picks = _drive(AdaptiveDepth(), accept=[1.0] * K, cost=lambda d: 1.0, max_depth=1)
+    assert set(picks) <= {0, 1} and picks[-100:].count(1) >= 95
+
+
+def test_step_costs_interpolate_along_depth_and_borrow_between_cells():
+    c = StepCosts(window=4)
+    assert c.estimate(1, 1, 64, K) is None
+    for t in (1.0, 1.2, 0.9):      # median 1.0
+        c.record(0, 1, 64, t)
+    c.record(2, 1, 64, 2.0)
+    assert c.measured(0, 1, 64) == 1.0
+    assert c.estimate(1, 1, 64, K) == pytest.approx(1.5)          # the line through d=0, 2
+    assert c.estimate(3, 1, 64, K) == pytest.approx(2.5)
+    c.record(1, 8, 64, 4.0)                                       # one depth in another cell:
+    assert c.estimate(3, 8, 64, K) == pytest.approx(4.0 * 2.5 / 1.5)   # the relative slope
+    assert c.estimate(2, 2, 128, K) == pytest.approx(2.0)         # nearest cell borrowed
+    assert context_bucket(100) == 128 and context_bucket(3) == 64
+
+
+def test_per_request_acceptance_separates_lanes():
+    """A lane whose own drafts keep failing expects fewer tokens than the pooled rate."""
+    pol = AdaptiveDepth()
+    good, bad = RequestStats.for_depth(K), RequestStats.for_depth(K)
+    good.tried_per_position, good.accepted_per_position = [50, 45, 40], [45, 40, 35]
+    bad.tried_per_position, bad.accepted_per_position = [50, 1, 0], [1, 0, 0]
+    view = lambda st: StepView(K, K, (LaneView(0, 10, K, st),), 1, 0)
+    e_good, e_bad = pol.expected_tokens(view(good)), pol.expected_tokens(view(bad))
+    assert e_good[0] == e_bad[0] == 1.0
+    assert e_good[K] > 2.5 and e_bad[K] < 1.2
+
+
+def test_policy_arguments_are_checked():
+    for bad in (dict(prior_strength=0), dict(decay=0), dict(window=0), dict(explore=-1),
+                dict(refresh=0), dict(hysteresis=-0.1)):
+        with pytest.raises(ValueError, match="AdaptiveDepth needs"):
+            AdaptiveDepth(**bad)
