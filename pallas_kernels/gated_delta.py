@@ -564,9 +564,11 @@ def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pen
                                  q, k, v, g, beta, *, live=None, interpret=False, tuning=None):
   """jnp version of :func:`gated_delta_verify` (same signature and returns).
 
-  Replays the pending slots with a masked scan (slots >= n_pend are selected
+  Replays the pending slots with a masked loop (slots >= n_pend are selected
   away with ``jnp.where``, so NaN there cannot leak), then runs the new
-  tokens with the recurrence.
+  tokens with the recurrence. The loop runs max(n_pend) times, not once per
+  pending slot: an engine sized for K drafts pays for the tokens it accepted,
+  so a shallow step costs what it would on an engine with fewer slots.
   """
   del interpret, tuning
   _validate_tokens("", q, k, v, g, beta)
@@ -574,17 +576,17 @@ def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pen
   slots, b = state, q.shape[0]
   state = state[:b]
   pk, pv, pg, pb = _f32(pend_k, pend_v, pend_g, pend_beta)
+  n_pend = n_pend[:b]
 
-  def replay(s, x):
-    i, k_t, v_t, g_t, b_t = x
-    s_new = _recurrent_step(s, k_t, v_t, g_t, b_t)
+  def replay(i, s):
+    x = [lax.dynamic_index_in_dim(a, i, axis=1, keepdims=False) for a in (pk, pv, pg, pb)]
+    s_new = _recurrent_step(s, *x)
     keep = (i < n_pend)[:, None, None, None]
-    return jnp.where(keep, s_new, s), None
+    return jnp.where(keep, s_new, s)
 
   p = pend_k.shape[1]
-  xs = (jnp.arange(p, dtype=jnp.int32),) + tuple(
-      jnp.moveaxis(x, 1, 0) for x in (pk, pv, pg, pb))
-  s_c, _ = lax.scan(replay, state.astype(jnp.float32), xs)
+  s_c = lax.fori_loop(0, jnp.minimum(jnp.max(n_pend, initial=0), p), replay,
+                      state.astype(jnp.float32))
   o, _ = recurrent_gated_delta_reference(q, k, v, g, beta, s_c)
   if live is not None:
     o = jnp.where(live.astype(bool)[:, None, None, None], o, 0)
