@@ -5,8 +5,8 @@ AOT": a compile-only topology device from XLA's published H200 target descriptio
 `experiments/data/h200_target_config.txtpb`) and audits what they move. No GPU, no weights:
 every argument is a `jax.ShapeDtypeStruct` carrying a `SingleDeviceSharding` of that device.
 
-Programs (experiments/aot_programs.build_programs): decode_k0 and decode_k{K} (steps.decode_step
-verifying 0 and K drafts), prefill_t{T} (steps.prefill_chunk), draft (one chained MTP step).
+Programs (experiments/aot_programs.build_programs): decode_k{d} for each depth d of `--depths`
+(steps.decode_step verifying d drafts; default 0 and K), prefill_t{T} (steps.prefill_chunk), draft (one chained MTP step).
 
 For each it writes `<out_dir>/<program>.hlo.txt` (optimized HLO after the whole XLA GPU
 pipeline) and, in `<out_dir>/aot.json`:
@@ -45,7 +45,12 @@ flags.DEFINE_enum("model", "27b", ["27b", "tiny"], "model shapes: Qwen3.5-27B or
                   "checkpoints/tiny config (quick checks)")
 flags.DEFINE_integer("lanes", 1, "engine lanes (batch of a decode step)")
 flags.DEFINE_integer("max_seq_len", 1024, "context per lane (KV pool sized for every lane)")
-flags.DEFINE_integer("num_speculative_tokens", 3, "K: compiles the k = 0 and the k = K step")
+flags.DEFINE_integer("num_speculative_tokens", 3, "K: the engine's draft slots")
+flags.DEFINE_list("depths", [], "decode depths to compile (each in 0..K); default 0 and K")
+flags.DEFINE_list("acceptance", ["0.92", "0.84", "0.65", "0.54"],
+                  "with every depth 0..K compiled: share of verify steps accepting draft j "
+                  "(j = 1..K), to predict the adaptive engine's depth from the audit's step "
+                  "times (default: reported for a quantized Qwen3.6-27B; an assumption)")
 flags.DEFINE_enum("kernels", "auto", ["auto", "pallas", "reference", "interpret"],
                   "kernels; auto = pallas for h200, reference for cpu")
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights / KV dtype")
@@ -98,7 +103,7 @@ def main(argv):
         cfg, lanes=FLAGS.lanes, max_seq_len=FLAGS.max_seq_len, K=FLAGS.num_speculative_tokens,
         kernels=kernels, dtype=FLAGS.dtype, page_size=FLAGS.page_size,
         prefill_chunk=FLAGS.prefill_chunk, mesh=mesh, weights=weights,
-        mtp_weights=mtp_weights)
+        mtp_weights=mtp_weights, depths=[int(d) for d in FLAGS.depths] or None)
     if FLAGS.programs:
         unknown = set(FLAGS.programs) - {p.name for p in progs}
         if unknown:
@@ -164,4 +169,26 @@ def main(argv):
             print(f"  {r['program']}: {t['total_bytes'] / GB:7.2f} GB  {t['kind']:<13} "
                   f"{t['what']} {t['shape']} x{t['instructions']} x{t['trips']} trips  "
                   f"{(t['sources'] or [''])[0]}")
+    choice = predict_depth(doc, FLAGS.num_speculative_tokens, FLAGS.lanes,
+                           [float(a) for a in FLAGS.acceptance])
+    if choice is not None:
+        doc["adaptive_prediction"] = choice
+        with open(os.path.join(FLAGS.out_dir, "aot.json"), "w") as f:
+            json.dump(doc, f, indent=1)
+        rates = ", ".join(f"d{d} {r:.0f}" for d, r in enumerate(choice["tokens_per_s"]))
+        print(f"  adaptive depth at {FLAGS.lanes} lane(s), acceptance {FLAGS.acceptance}: "
+              f"{choice['depth']} (tokens/s at the audit's step time: {rates})")
     print(f"wrote {FLAGS.out_dir}/aot.json and {len(rows)} .hlo.txt")
+
+
+def predict_depth(doc: dict, K: int, lanes: int, acceptance: list[float]) -> dict | None:
+    """The depth mtpjax.depth.AdaptiveDepth would settle on if the device ran each depth's
+    step in the audit's predicted time (floor + data movement at --hbm_gbps) and drafts were
+    accepted at the given rates; None unless decode_k0..decode_kK were all compiled."""
+    from mtpjax.depth import predict
+    progs = doc["programs"]
+    if K < 1 or any(f"decode_k{d}" not in progs for d in range(K + 1)):
+        return None
+    ms = [progs[f"decode_k{d}"]["roofline"]["predicted_ms"] for d in range(K + 1)]
+    depth, rates = predict([m / 1e3 for m in ms], acceptance, lanes)
+    return {"depth": depth, "step_ms": ms, "tokens_per_s": rates, "acceptance": acceptance}

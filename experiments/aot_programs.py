@@ -83,11 +83,12 @@ def _sds(shape, dtype):
 def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels: str,
                    dtype: str = "bfloat16", page_size: int = 16,
                    prefill_chunk: int = 64, mesh=None, weights: str = "dense",
-                   mtp_weights: str = "dense") -> list[Program]:
+                   mtp_weights: str = "dense", depths=None) -> list[Program]:
     """The engine's programs for an engine of `lanes` lanes drafting K tokens.
 
-    decode_k0 and decode_k{K}: steps.decode_step verifying 0 and K drafts (one program when
-    K = 0); prefill_t{T}: steps.prefill_chunk over one chunk of T tokens (the engine's largest
+    decode_k{d}: steps.decode_step of depth d (d drafts verified, d made; depth 0 on a K > 0
+    engine drafts nothing and writes the MTP KV only, whose fc + KV-projection read the floor
+    leaves out), for d in `depths` (default 0 and K: one program when K = 0); prefill_t{T}: steps.prefill_chunk over one chunk of T tokens (the engine's largest
     bucket); draft: one chained MTP step (steps.draft_chain with k = 2), the unit of the draft
     path (K >= 1 only). The KV pool holds every lane at full context, as the engine's default.
     mesh: a tensor-parallel mesh (of topology devices): weights and caches in their
@@ -130,14 +131,15 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
                  * jnp.dtype(local_cache.kv[0].k.dtype).itemsize,
                  gdn_lane_bytes=_nbytes(local_cache.gdn) // B)     # one device's share
     progs = []
-    for k in sorted({0, K}):
-        chain = (K - 1) if k > 0 else 0
+    depths = sorted({0, K} if depths is None else set(map(int, depths)))
+    if depths[0] < 0 or depths[-1] > K:
+        raise ValueError(f"depths must lie in 0..K={K}, got {depths}")
+    for k in depths:      # k MTP passes: the re-run over the accepted pairs + k - 1 chained
         progs.append(Program(
             f"decode_k{k}", steps.decode_step,
             (cfg, params, cache, state, lane_sampling, active, table), dict(k=k, **kw),
             (None, WEIGHT, CACHE, OTHER, OTHER, OTHER, OTHER),
-            Reads(1, mtp * (1 + chain), mtp * (1 + chain), B, max_seq_len, B, **price), dtype,
-            mesh))
+            Reads(1, k, k, B, max_seq_len, B, **price), dtype, mesh))
     T = prefill_chunk
     scalar = lambda dt: _sds((), dt)
     if mesh is not None:

@@ -34,8 +34,10 @@ flags.DEFINE_boolean("chat", False, "wrap the prompt in the ChatML chat template
 flags.DEFINE_string("system", None, "system message (with --chat)")
 flags.DEFINE_boolean("enable_thinking", True, "chat template: open a <think> block (Qwen3.5 "
                      "default) or an empty one")
-flags.DEFINE_integer("num_speculative_tokens", 1, "MTP draft tokens per step (0 = no "
-                     "speculation)")
+flags.DEFINE_integer("num_speculative_tokens", 1, "MTP draft slots K: each step drafts up "
+                     "to K tokens (0 = no speculation)")
+flags.DEFINE_boolean("adaptive", False, "choose each step's depth in 0..K from measured step "
+                     "time and acceptance (mtpjax/depth.py); else always K")
 flags.DEFINE_integer("max_new_tokens", 128, "tokens to generate at most")
 flags.DEFINE_float("temperature", 0.0, "0 = greedy")
 flags.DEFINE_integer("top_k", 0, "0 = off")
@@ -85,7 +87,8 @@ def main(argv):
     engine = mtpjax.Engine.from_checkpoint(
         path, FLAGS.dtype, FLAGS.num_speculative_tokens, tp=FLAGS.tp, dp=FLAGS.dp, max_lanes=1,
         max_seq_len=max_seq_len, kernels=FLAGS.kernels, weights=FLAGS.weights,
-        mtp_weights=FLAGS.mtp_weights)
+        mtp_weights=FLAGS.mtp_weights,
+        speculation_policy="adaptive" if FLAGS.adaptive else "fixed")
     text_engine = TextEngine(engine, tok, skip_special_tokens=FLAGS.skip_special_tokens)
     print(f"[load] {path}: {cfg.num_layers} layers, vocab {cfg.vocab_size}, "
           f"{FLAGS.dtype}, weights={FLAGS.weights}, k={engine.k}, kernels={engine.kernels}, tp={FLAGS.tp}, "
