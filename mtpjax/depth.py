@@ -14,7 +14,7 @@ and what it earns depends on the request. So both are measured while the engine 
   were): the request's own counts shrunk towards the pooled rate with `prior_strength`
   pseudo-counts, the pooled rate being decayed counts over recent steps of every lane, and a
   position nobody has tried yet borrowing the rate of the position before it.
-- cost(d, bucket, ctx) is the median of the last `window` step times the engine measured
+- cost(d, bucket, ctx) is the lower quartile of the last `window` step times the engine measured
   (wall seconds from launch to the tokens on the host, the first call of each program excluded
   because it compiles). Nothing is a device constant: on a GPU the same clock times the
   GPU's programs. A depth not measured yet in a cell is interpolated along the depth axis of
@@ -45,7 +45,8 @@ def context_bucket(context: int, smallest: int = 64) -> int:
 
 
 class StepCosts:
-    """Measured step seconds per (depth, lane bucket, context bucket): medians over a window."""
+    """Measured step seconds per (depth, lane bucket, context bucket): low quantiles over a
+    window of recent steps."""
 
     def __init__(self, window: int = 16):
         self.window = window
@@ -59,8 +60,11 @@ class StepCosts:
         return len(self._t.get((depth, bucket, ctx), ()))
 
     def measured(self, depth: int, bucket: int, ctx: int) -> float | None:
+        """The lower quartile of the window: what the step costs when nothing else gets in
+        its way (a shared host, a GC pause or a concurrent compile only ever add time, so a
+        median lets such noise pick the depth)."""
         t = self._t.get((depth, bucket, ctx))
-        return statistics.median(t) if t else None
+        return sorted(t)[len(t) // 4] if t else None
 
     def cells(self) -> set[tuple[int, int]]:
         return {(b, c) for _, b, c in self._t}
