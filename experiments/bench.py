@@ -37,6 +37,12 @@ verify + k * draft (the real step runs the MTP once over k+1 pairs and then k-1 
 and `break_even_tokens_per_step` = that / decode is the mean emitted tokens per step (accepted
 + 1) speculation needs to beat plain decoding.
 
+`--sweep=lanes` measures something else: whole-engine generated tokens/s against lanes
+(`--sweep_lanes`, default 1,2,4,8,16) for fixed draft depths and the adaptive depth policy
+(`--sweep_depths`, default 0,1,2,3,4,adaptive), greedy requests on held-out text, as ONE
+markdown table with ratios to depth 0, tokens per verify step and the adaptive depth histogram
+(experiments/depth_sweep.py says how and why); `--out` defaults to runs/depth_sweep.json there.
+
 The last stdout line is the whole result as one JSON document; `--out` gets the same document.
 `experiments/gpu_check.py` imports this module and reuses its flags and functions.
 """
@@ -58,13 +64,14 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from experiments import mesh_flags, weight_flags
+from experiments import depth_sweep, mesh_flags, weight_flags
 from mtpjax import model, quant, tensor_parallel
 from mtpjax.config import FULL, LINEAR, Config, qwen3_5_27b
 from mtpjax.params import Params, abstract_params, fp8_paths
 
 FLAGS = flags.FLAGS
 DEFAULT_CHECKPOINT = "checkpoints/tiny"
+SWEEP_OUT = "runs/depth_sweep.json"
 mesh_flags.define()
 weight_flags.define()
 flags.DEFINE_string("checkpoint", DEFAULT_CHECKPOINT,
@@ -93,7 +100,23 @@ flags.DEFINE_integer("iters", 20, "timed calls per program (after compile + 2 wa
 flags.DEFINE_float("hbm_gbps", 4800.0, "device memory bandwidth in GB/s for the roofline "
                    "(default: H200)")
 flags.DEFINE_integer("seed", 0, "seed for synthetic weights and inputs")
-flags.DEFINE_string("out", "bench.json", "JSON results path ('' = do not write)")
+flags.DEFINE_string("out", "bench.json", "JSON results path ('' = do not write; with "
+                    f"--sweep the default is {SWEEP_OUT})")
+flags.DEFINE_enum("sweep", "", ["", "lanes"],
+                  "'lanes': instead of the step programs, whole-engine tokens/s against lanes "
+                  "for fixed draft depths and the adaptive policy, one table "
+                  "(experiments/depth_sweep.py; the --sweep_* flags)")
+flags.DEFINE_list("sweep_lanes", [str(x) for x in depth_sweep.DEFAULT_LANES],
+                  "--sweep=lanes: lane counts (engine max_lanes), one table row each")
+flags.DEFINE_list("sweep_depths", [str(x) for x in depth_sweep.DEFAULT_DEPTHS],
+                  "--sweep=lanes: columns: fixed draft depths (integers >= 0; 0 = the stock "
+                  "engine) and/or 'adaptive' (K = the deepest fixed depth listed)")
+flags.DEFINE_integer("sweep_requests_per_lane", 2, "--sweep=lanes: greedy requests per lane "
+                     "(L lanes serve L * this many requests)")
+flags.DEFINE_integer("sweep_new_tokens", 48, "--sweep=lanes: tokens generated per request")
+flags.DEFINE_integer("sweep_prompt_tokens", 32, "--sweep=lanes: prompt length (held-out text)")
+flags.DEFINE_integer("sweep_passes", 2, "--sweep=lanes: timed passes per cell (interleaved "
+                     "across depths; the cell reports the median)")
 
 PROGRAMS = ("decode", "verify", "draft")
 H200_GBPS = 4800.0
@@ -576,9 +599,67 @@ def write_json(path: str, doc: dict) -> None:
             json.dump(doc, f, indent=2)
 
 
+def sweep_main(log) -> None:
+    """--sweep=lanes: experiments/depth_sweep.py over the flags' model; one table + JSON."""
+    lanes = depth_sweep.parse_lanes(FLAGS.sweep_lanes)     # bad values fail before any work
+    depths = depth_sweep.parse_depths(FLAGS.sweep_depths)
+    for name in ("sweep_requests_per_lane", "sweep_new_tokens", "sweep_prompt_tokens",
+                 "sweep_passes"):
+        if FLAGS[name].value < 1:
+            raise ValueError(f"--{name} must be >= 1, got {FLAGS[name].value}")
+    if FLAGS.tp * FLAGS.dp > 1:
+        raise ValueError("--sweep=lanes runs one engine on one device; drop --tp/--dp")
+    dtype, kernels = resolve_dtype(FLAGS.dtype), resolve_kernels(FLAGS.kernels)
+    out = FLAGS.out if FLAGS["out"].present else SWEEP_OUT
+    info = device_info()
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    cfg, params, desc = build_model(FLAGS.checkpoint, FLAGS.synthetic, FLAGS.layers, dtype,
+                                    FLAGS.seed, FLAGS.weights, FLAGS.mtp_weights)
+    from mtpjax.text import Tokenizer
+    tok = Tokenizer.from_checkpoint(FLAGS.checkpoint)   # prompts: held-out text
+    n = max(lanes) * FLAGS.sweep_requests_per_lane
+    prompts = depth_sweep.heldout_prompts(tok, n, FLAGS.sweep_prompt_tokens, FLAGS.seed)
+    top = max(max(p) for p in prompts)
+    if top >= cfg.vocab_size:
+        raise ValueError(f"the tokenizer of {FLAGS.checkpoint} makes id {top}, outside the "
+                         f"model's vocabulary of {cfg.vocab_size}")
+    header = [f"# bench --sweep=lanes: tokens/s vs lanes, fixed draft depths and adaptive",
+              f"date: {date}",
+              f"command: {command_line()}",
+              f"machine: {info['backend']} ({info['device_kind']}), "
+              f"{info.get('cpu_cores_available')} cores available, {info['platform']}, "
+              f"python {info['python']}, jax {info['jax']}",
+              f"model: {desc['source']} {desc['name']} ({desc['layers']} layers), dtype={dtype}, "
+              f"kernels={kernels}",
+              f"workload: L lanes x {FLAGS.sweep_requests_per_lane} greedy requests of "
+              f"{FLAGS.sweep_new_tokens} new tokens after {FLAGS.sweep_prompt_tokens}-token "
+              f"held-out prompts; {FLAGS.sweep_passes} interleaved pass(es) per cell"]
+    for line in header:
+        log(line)
+    res = depth_sweep.run_sweep(cfg, params, prompts, lanes=lanes, depths=depths,
+                                requests_per_lane=FLAGS.sweep_requests_per_lane,
+                                new_tokens=FLAGS.sweep_new_tokens, passes=FLAGS.sweep_passes,
+                                kernels=kernels, page_size=FLAGS.page_size, log=log)
+    table = depth_sweep.format_table(res)
+    doc = {"command": command_line(), "date": date, "device": info,
+           "model": {**desc, "config": config_summary(cfg), "dtype": dtype},
+           "kernels": kernels, "sweep": "lanes", "seed": FLAGS.seed, **res, "table": table}
+    log("")
+    log("\n".join(header[1:]))
+    log("")
+    log(table)
+    log(f"(sweep took {res['elapsed_s']:.0f} s, compiling included)")
+    write_json(out, doc)
+    if out:
+        log(f"wrote {out}")
+    print(json.dumps(doc), flush=True)
+
+
 def main(argv):
     del argv
     log = partial(print, flush=True)
+    if FLAGS.sweep:
+        return sweep_main(log)
     dtype, kernels = resolve_dtype(FLAGS.dtype), resolve_kernels(FLAGS.kernels)
     batch_sizes = [int(x) for x in FLAGS.batch_sizes]
     context_lens = [int(x) for x in FLAGS.context_lens]

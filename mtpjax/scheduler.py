@@ -147,22 +147,27 @@ class Policy(Protocol):
 
 @dataclasses.dataclass(frozen=True)
 class SpeculationPolicy:
-    """Fixed depth: K while at most `max_busy_lanes` lanes decode (None: any number), capped
-    at the deepest depth the free pages cover; 0 above max_busy_lanes.
+    """Fixed depth: `depth` (None: K, the engine's draft slots) while at most
+    `max_busy_lanes` lanes decode (None: any number), capped at the deepest depth the free
+    pages cover; 0 above max_busy_lanes.
 
     Any callable StepView -> depth in 0..K can stand in for it (depth.AdaptiveDepth chooses
     from measured cost and acceptance).
     """
     max_busy_lanes: int | None = None
+    depth: int | None = None
 
     def __post_init__(self):
         if self.max_busy_lanes is not None and self.max_busy_lanes < 0:
             raise ValueError(f"max_busy_lanes must be >= 0 or None, got {self.max_busy_lanes}")
+        if self.depth is not None and self.depth < 0:
+            raise ValueError(f"depth must be >= 0 or None, got {self.depth}")
 
     def __call__(self, view: StepView) -> int:
         if self.max_busy_lanes is not None and len(view.lanes) > self.max_busy_lanes:
             return 0
-        return max(min(view.K, view.max_depth), 0)
+        want = view.K if self.depth is None else min(self.depth, view.K)
+        return max(min(want, view.max_depth), 0)
 
 
 class Scheduler:
