@@ -14,14 +14,25 @@ Trains the bundled demo checkpoint from scratch on this machine, with no downloa
    where a = --mtp_distill. The MTP at p sees (target hidden h_p, token p+1), exactly what the
    target at p+1 has seen, so the soft term (self-distillation, stop-gradient on the target)
    trains the MTP towards the target's own next-token choice, which is what the speculative
-   acceptance measures; a = 0 is the plain hard-label MTP loss;
+   acceptance measures; a = 0 is the plain hard-label MTP loss.
+   --mtp_chain=N (default 4; 1 = the loss above, which is how the original checkpoint was
+   trained) adds draft steps 2..N as the engine chains them (mtpjax/steps.py draft_chain):
+   step s from root p is fed the MTP's own post-norm output of step s-1 and the true token
+   p+s, sits at position p+s-1 (rope), attends the step-1 KV of positions <= p plus its own
+   round's chained KV, and predicts token p+s+1 (hard) / the target's distribution at p+s
+   (soft), weighted --mtp_chain_decay^(s-1). `mtp_chain` unrolls all roots at once;
+   `check_chain_matches_engine` compares it with the engine's own mtp_forward calls.
+   --init_from=CKPT continues from a saved checkpoint (same architecture, its tokenizer);
 3. saves an HF-layout checkpoint (BF16 safetensors, A_log F32, `mtp.*`, tied embeddings) with
    tokenizer.json and generation_config.json, reloads it with `mtpjax.load_checkpoint` and
    evaluates the reloaded model on held-out files: target next-token accuracy, MTP t+2 accuracy,
    the greedy acceptance proxy (MTP argmax at p == target argmax at p+1, teacher-forced on true
-   text) and the first-draft acceptance under real greedy generation (prefill + step decode with
-   the engine's cache). Metrics, the command and the training time go to TRAINING.md and
-   train_metrics.json in --out.
+   text), the same per chained draft step, the first-draft acceptance under real greedy
+   generation (prefill + step decode with the engine's cache), the distinct-4-gram fraction of
+   the greedy continuations, and, through the real engine with fixed depth K (--engine_k), the
+   acceptance by draft position and the tokens per verify step. Metrics, the command(s) and the
+   training time go to TRAINING.md and train_metrics.json in --out (--baseline adds a column
+   with another checkpoint's metrics, e.g. the stage-1 checkpoint evaluated with --eval_only).
 """
 
 from __future__ import annotations
@@ -80,6 +91,17 @@ flags.DEFINE_integer("gen_prompt_len", 64, "prompt tokens")
 flags.DEFINE_integer("gen_new", 128, "greedily generated tokens per prompt")
 flags.DEFINE_integer("log_every", 25, "print the loss every n steps")
 flags.DEFINE_boolean("eval_only", False, "skip training; evaluate the checkpoint in --out")
+# chained drafting (issue 13): train / evaluate the MTP as the engine chains it
+flags.DEFINE_integer("mtp_chain", 4, "draft steps the MTP loss unrolls (1 = the original "
+                     "single-step loss; the engine's draft s > 1 is fed the MTP's own output)")
+flags.DEFINE_float("mtp_chain_decay", 0.8, "loss weight of draft step s is decay^(s-1)")
+flags.DEFINE_string("init_from", None, "continue training from this checkpoint (same "
+                    "architecture; its tokenizer.json is reused unless --tokenizer is given)")
+flags.DEFINE_integer("eval_chain", 4, "draft steps evaluated teacher-forced on held-out text")
+flags.DEFINE_list("engine_k", ["1", "2", "3", "4"], "fixed draft depths K run through the real "
+                  "engine for per-position acceptance (empty: skip)")
+flags.DEFINE_string("baseline", None, "train_metrics.json of a checkpoint to compare against "
+                    "in TRAINING.md (evaluate it first with --eval_only)")
 
 SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 # Qwen3.5's pre-tokenizer regex (spec §7).
@@ -240,45 +262,188 @@ def init_train_params(cfg, seed: int):
     return jax.tree_util.tree_map_with_path(fix, params)
 
 
-def _ce(logits, labels):
+def _masked_mean(x, mask):
+    """Mean of x over the entries where mask (broadcast to x's shape) is 1."""
+    import jax.numpy as jnp
+    mask = jnp.broadcast_to(mask, x.shape)
+    return jnp.sum(x * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def _ce_rows(logits, labels):
+    """Per-position CE [B, T] (logits [B, T, V], labels [B, T])."""
     import jax
     import jax.numpy as jnp
     lse = jax.nn.logsumexp(logits, axis=-1)
-    picked = jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
-    return jnp.mean(lse - picked)
+    return lse - jnp.take_along_axis(logits, labels[..., None], axis=-1)[..., 0]
 
 
-def make_loss(cfg, mtp_weight: float, distill: float, compute_dtype: str = "float32"):
+def _ce(logits, labels):
+    import jax.numpy as jnp
+    return jnp.mean(_ce_rows(logits, labels))
+
+
+def chain_attend(q, k1, v1, extra, sm_scale: float):
+    """The MTP attention of a chained draft step, with the engine's KV contents, per root p.
+
+    q [B, L, NQ, HD]: the step's queries, row p = the chain rooted at p (position p + s - 1).
+    k1, v1 [B, L, NKV, HD]: step-1 entries (pairs (target h_p', token p'+1) at position p'),
+    which is what the engine's MTP cache holds at every position <= the root p.
+    extra: [(k, v)] of chained steps 2..s for the same root (each [B, L, NKV, HD], row p =
+    that step's entry of root p, written by the engine at p + i - 1), the step's own last.
+    Returns o [B, L, NQ, HD]. Row p attends k1 at positions <= p plus its own chain entries:
+    exactly the engine's MTP cache during chained step s from root p (draft_chain).
+    """
+    import jax
+    import jax.numpy as jnp
+    B, L, NQ, HD = q.shape
+    NKV = k1.shape[2]
+    G = NQ // NKV
+    qg = q.reshape(B, L, NKV, G, HD)
+    s = jnp.einsum("btngd,bsnd->bngts", qg, k1,
+                   preferred_element_type=jnp.float32) * sm_scale             # [B,NKV,G,L,L]
+    causal = jnp.arange(L)[None, :] <= jnp.arange(L)[:, None]                # [L(t), L(s)]
+    s = jnp.where(causal, s, -jnp.inf)
+    se = [jnp.einsum("btngd,btnd->bngt", qg, k, preferred_element_type=jnp.float32)[..., None]
+          * sm_scale for k, _ in extra]                                       # [B,NKV,G,L,1]
+    p = jax.nn.softmax(jnp.concatenate([s] + se, axis=-1), axis=-1).astype(q.dtype)
+    o = jnp.einsum("bngts,bsnd->btngd", p[..., :L], v1.astype(q.dtype),
+                   preferred_element_type=jnp.float32)
+    for i, (_, v) in enumerate(extra):
+        o = o + jnp.einsum("bngt,btnd->btngd", p[..., L + i], v.astype(q.dtype),
+                           preferred_element_type=jnp.float32)
+    return o.astype(q.dtype).reshape(B, L, NQ, HD)
+
+
+def _mtp_qkv(cfg, params, h_prev, next_tokens, offset: int):
+    """The MTP layer's residual input x [B, L, H] and its attention's q [B, L, NQ, HD],
+    gate [B, L, NQ*HD], k, v [B, L, NKV, HD] for pairs at positions offset + t.
+
+    A copy of model.mtp_forward's input and attention_block's projection (public pieces
+    only), so the training unroll does not depend on the engine's private helpers."""
+    import jax.numpy as jnp
+    from mtpjax import model
+    B, L = next_tokens.shape
+    m, eps = params.mtp, cfg.rms_norm_eps
+    e = model.rmsnorm_1p(model.embed_tokens(cfg, params, next_tokens), m.pre_fc_norm_embedding, eps)
+    hh = model.rmsnorm_1p(h_prev.astype(e.dtype), m.pre_fc_norm_hidden, eps)
+    x = model.dense(jnp.concatenate([e, hh], axis=-1), m.fc)
+    positions = offset + jnp.broadcast_to(jnp.arange(L)[None, :], (B, L))
+    cos, sin = model.rope_cos_sin(cfg, positions, x.dtype)
+    p = m.layer.attn
+    nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    qkv = model.dense(model.rmsnorm_1p(x, m.layer.input_layernorm, eps), p.qkv)
+    qg = qkv[..., :2 * nq * hd].reshape(B, L, nq, 2 * hd)
+    q, gate = qg[..., :hd], qg[..., hd:]
+    k = qkv[..., 2 * nq * hd:(2 * nq + nkv) * hd].reshape(B, L, nkv, hd)
+    v = qkv[..., (2 * nq + nkv) * hd:].reshape(B, L, nkv, hd)
+    q = model.apply_rope(model.rmsnorm_1p(q, p.q_norm, eps), cos, sin, cfg.rotary_dim)
+    k = model.apply_rope(model.rmsnorm_1p(k, p.k_norm, eps), cos, sin, cfg.rotary_dim)
+    return x, q, gate.reshape(B, L, nq * hd), k, v
+
+
+def mtp_step(cfg, params, h_prev, next_tokens, offset: int, kv1=None, extra=()):
+    """One MTP pass over L roots at positions offset + p; the math of model.mtp_forward.
+
+    h_prev [B, L, H] (target post-norm hidden for step 1, the MTP's own post-norm output of
+    the previous step for chained steps), next_tokens [B, L]. kv1=None: step 1 (causal
+    attention over its own entries, = mtp_forward with an empty cache); else the step-1
+    (k, v) and the earlier chained steps' (k, v) in `extra` (see chain_attend).
+    Returns (MTP post-norm hidden [B, L, H], this step's (k, v)).
+    """
+    import jax
+    from mtpjax import model
+    B, L = next_tokens.shape
+    m, eps = params.mtp, cfg.rms_norm_eps
+    x, q, gate, k, v = _mtp_qkv(cfg, params, h_prev, next_tokens, offset)
+    if kv1 is None:
+        o = chain_attend(q, k, v, [], cfg.head_dim ** -0.5)
+    else:
+        o = chain_attend(q, kv1[0], kv1[1], list(extra) + [(k, v)], cfg.head_dim ** -0.5)
+    o = o.reshape(B, L, gate.shape[-1]) * jax.nn.sigmoid(gate)
+    x = x + model.row_parallel(cfg, o, m.layer.attn.o_proj)
+    x = x + model.mlp_block(cfg, m.layer.mlp,
+                            model.rmsnorm_1p(x, m.layer.post_attention_layernorm, eps))
+    return model.rmsnorm_1p(x, m.norm, eps), (k, v)
+
+
+def mtp_chain(cfg, params, h, tok, n_steps: int):
+    """Teacher-forced unroll of the engine's draft chain from every root p.
+
+    h [B, L, H]: target post-norm hidden; tok [B, L + n_steps + 1] the true tokens (t_0...).
+    Step s (1-based) at root p sits at position p + s - 1, is fed (step 1) the target's h_p or
+    (s > 1) the MTP's own output of step s - 1 for root p, plus the true token p + s, and
+    predicts token p + s + 1 (= the engine's draft s). Returns a list of n_steps MTP hidden
+    [B, L, H], row p of entry s-1 predicting token p + s + 1.
+    """
+    L = h.shape[1]
+    hm, kv1 = mtp_step(cfg, params, h, tok[:, 1:L + 1], 0)
+    outs, extra = [hm], []
+    for s in range(2, n_steps + 1):
+        hm, kv = mtp_step(cfg, params, hm, tok[:, s:s + L], s - 1, kv1, extra)
+        extra.append(kv)
+        outs.append(hm)
+    return outs
+
+
+def chain_weights(n_steps: int, decay: float):
+    """Loss weight of draft step s: decay^(s-1). A draft s only counts if drafts 1..s-1 were
+    accepted, so its value is discounted by the chance of reaching it (~0.6-0.9 per step)."""
+    return [decay ** (s - 1) for s in range(1, n_steps + 1)]
+
+
+def make_loss(cfg, mtp_weight: float, distill: float, compute_dtype: str = "float32",
+              chain: int = 1, chain_decay: float = 1.0):
     """Joint loss over tok [B, L+2]; params are float32 masters, cast to compute_dtype inside
-    (A_log stays float32), logits and losses in float32."""
+    (A_log stays float32), logits and losses in float32.
+
+    MTP term: mtp_weight x sum over draft steps s = 1..chain of w_s [(1 - a) CE(step s,
+    token p+s+1) + a CE(step s, sg(target probs at p+s))], w_1 = 1 (see chain_weights), so
+    step 1 keeps exactly its old weight and chain = 1 is the original single-step loss (the
+    step-1 computation is the same math as model.mtp_forward).
+    Roots whose label falls past the window are masked, so later steps see L - s + 1 roots.
+    """
     import jax
     import jax.numpy as jnp
     from mtpjax import model
     from mtpjax.api import cast_params
+    weights = chain_weights(chain, chain_decay)
 
     def loss_fn(params, tok):
         B, L2 = tok.shape
         L = L2 - 2
         if compute_dtype != "float32":
             params = cast_params(params, compute_dtype)
-        x, y1, y2 = tok[:, :L], tok[:, 1:L + 1], tok[:, 2:]
+        x, y1 = tok[:, :L], tok[:, 1:L + 1]
         seg = model.Segment.full(B, L)
         cache = model.init_cache(cfg, B, L, 1, params.embed.dtype)
         h, cache = model.forward(cfg, params, cache, x, seg, mode="chunk")
-        logits = model.lm_head(params, h)
+        logits = model.lm_head(params, h)                                    # [B, L, V]
         ce_t = _ce(logits, y1)
-        hm, _ = model.mtp_forward(cfg, params, cache, h, y1, seg)
-        mlog = model.lm_head(params, hm)
-        ce_m = _ce(mlog, y2)
-        # soft targets: the target's distribution at p+1 (it predicts token p+2 too)
-        teacher = jax.nn.softmax(jax.lax.stop_gradient(logits[:, 1:]), axis=-1)
-        soft = -jnp.mean(jnp.sum(teacher * jax.nn.log_softmax(mlog[:, :-1], axis=-1), axis=-1))
-        loss = ce_t + mtp_weight * ((1.0 - distill) * ce_m + distill * soft)
+        teacher = jax.nn.softmax(jax.lax.stop_gradient(logits), axis=-1)    # target at p
+        tokp = jnp.concatenate([tok, jnp.zeros((B, chain), tok.dtype)], axis=1)
+        rows = jnp.arange(L)
+        aux = {}
+        mtp_loss = 0.0
+        for s, hm in enumerate(mtp_chain(cfg, params, h, tokp, chain), start=1):
+            mlog = model.lm_head(params, hm)                                 # [B, L, V]
+            label = tokp[:, s + 1:s + 1 + L]                                 # token p+s+1
+            hard_mask = (rows <= L - s).astype(jnp.float32)[None]           # label in window
+            soft_mask = (rows <= L - 1 - s).astype(jnp.float32)[None]       # target at p+s
+            ce = _masked_mean(_ce_rows(mlog, label), hard_mask)
+            tch = jnp.pad(teacher[:, s:], ((0, 0), (0, s), (0, 0)))
+            soft = _masked_mean(-jnp.sum(tch * jax.nn.log_softmax(mlog, -1), -1), soft_mask)
+            mtp_loss = mtp_loss + weights[s - 1] * ((1.0 - distill) * ce + distill * soft)
+            am = jnp.argmax(mlog, -1)
+            aux[f"ce_m{s}"] = ce
+            aux[f"acc_m{s}"] = _masked_mean((am == label).astype(jnp.float32), hard_mask)
+            aux[f"agree{s}"] = _masked_mean(
+                (am == jnp.pad(jnp.argmax(logits, -1)[:, s:], ((0, 0), (0, s))))
+                .astype(jnp.float32), soft_mask)
+            if s == 1:
+                aux.update(ce_m=ce, soft=soft, acc_m=aux["acc_m1"], agree=aux["agree1"])
+        loss = ce_t + mtp_weight * mtp_loss
         acc_t = jnp.mean(jnp.argmax(logits, -1) == y1)
-        acc_m = jnp.mean(jnp.argmax(mlog, -1) == y2)
-        agree = jnp.mean(jnp.argmax(mlog[:, :-1], -1) == jnp.argmax(logits[:, 1:], -1))
-        return loss, dict(loss=loss, ce_t=ce_t, ce_m=ce_m, soft=soft, acc_t=acc_t, acc_m=acc_m,
-                          agree=agree)
+        return loss, dict(loss=loss, ce_t=ce_t, acc_t=acc_t, **aux)
     return loss_fn
 
 
@@ -310,46 +475,130 @@ def _hidden(cfg, params, tok):
     return h
 
 
-def make_eval(cfg):
+def make_eval(cfg, chain: int):
     import jax
     import jax.numpy as jnp
     from mtpjax import model
 
     @jax.jit
     def ev(params, tok):
-        """tok [B, L]: per-row counts of target hits (p -> p+1), MTP hits (p -> p+2), agreement."""
+        """tok [B, L]: per-row counts of target hits (p -> p+1) and, per draft step s, MTP hits
+        (teacher-forced chain from root p -> p+s+1) and agreement with the target's argmax at
+        p+s (the teacher-forced greedy acceptance proxy). Roots p <= L-s-2 count for step s."""
         B, L = tok.shape
-        seg = model.Segment.full(B, L)
-        cache = model.init_cache(cfg, B, L, 1, params.embed.dtype)
-        h, cache = model.forward(cfg, params, cache, tok, seg, mode="chunk")
+        h = _hidden(cfg, params, tok)
         tgt = jnp.argmax(model.lm_head(params, h), -1)                     # [B, L] -> p+1
-        hm, _ = model.mtp_forward(cfg, params, cache, h[:, :-1], tok[:, 1:],
-                                  model.Segment.full(B, L - 1))
-        mtp = jnp.argmax(model.lm_head(params, hm), -1)                    # [B, L-1] -> p+2
+        tokp = jnp.concatenate([tok, jnp.zeros((B, chain + 1), tok.dtype)], axis=1)
+        tgtp = jnp.concatenate([tgt, jnp.zeros((B, chain + 1), tgt.dtype)], axis=1)
+        rows = jnp.arange(L)[None]
+        hit_m, agree = [], []
+        for s, hm in enumerate(mtp_chain(cfg, params, h, tokp, chain), start=1):
+            mtp = jnp.argmax(model.lm_head(params, hm), -1)                # [B, L] -> p+s+1
+            ok = rows <= L - s - 2
+            hit_m.append(jnp.sum((mtp == tokp[:, s + 1:s + 1 + L]) & ok, axis=1))
+            agree.append(jnp.sum((mtp == tgtp[:, s:s + L]) & ok, axis=1))
         hit_t = jnp.sum(tgt[:, :-1] == tok[:, 1:], axis=1)
-        hit_m = jnp.sum(mtp[:, :-1] == tok[:, 2:], axis=1)
-        agree = jnp.sum(mtp[:, :-1] == tgt[:, 1:-1], axis=1)
-        return hit_t, hit_m, agree
+        return hit_t, jnp.stack(hit_m, 1), jnp.stack(agree, 1)             # [B], [B, n], [B, n]
     return ev
 
 
-def heldout_eval(cfg, params, tokens, windows: int, length: int, batch: int = 8):
+def heldout_eval(cfg, params, tokens, windows: int, length: int, batch: int = 8,
+                 chain: int = 4):
+    """Teacher-forced held-out metrics; mtp_acc / accept_proxy are step 1's (as before), the
+    *_by_step lists give every chained draft step."""
     import numpy as np
-    ev = make_eval(cfg)
+    ev = make_eval(cfg, chain)
     n = min(windows, len(tokens) // length)
     data = tokens[:n * length].reshape(n, length)
-    ht = hm = ag = 0
+    ht, hm, ag = 0, np.zeros(chain, np.int64), np.zeros(chain, np.int64)
     for i in range(0, n, batch):
         rows = data[i:i + batch]
         k = len(rows)
         if k < batch:  # keep one compiled shape; padded rows are not counted
             rows = np.concatenate([rows, np.repeat(rows[:1], batch - k, 0)])
-        a, b, c = (np.asarray(x)[:k].sum() for x in ev(params, rows))
-        ht, hm, ag = ht + int(a), hm + int(b), ag + int(c)
+        a, b, c = (np.asarray(x)[:k].sum(0) for x in ev(params, rows))
+        ht, hm, ag = ht + int(a), hm + b, ag + c
+    denom = [n * (length - s - 1) for s in range(1, chain + 1)]
+    mtp_by = [float(x) / d for x, d in zip(hm, denom)]
+    agree_by = [float(x) / d for x, d in zip(ag, denom)]
     return dict(heldout_tokens=int(n * length),
                 target_acc=ht / (n * (length - 1)),
-                mtp_acc=hm / (n * (length - 2)),
-                accept_proxy=ag / (n * (length - 2)))
+                mtp_acc=mtp_by[0], accept_proxy=agree_by[0],
+                mtp_acc_by_step=mtp_by, accept_proxy_by_step=agree_by)
+
+
+def distinct_ngram_fraction(rows, n: int = 4) -> float:
+    """Mean over rows of (distinct n-grams / n-grams): 1.0 = no repeated n-gram, a model stuck
+    in a loop scores near 0. rows: int [B, T] greedy continuations."""
+    fr = []
+    for r in rows:
+        grams = [tuple(r[i:i + n]) for i in range(len(r) - n + 1)]
+        if grams:
+            fr.append(len(set(grams)) / len(grams))
+    return sum(fr) / max(len(fr), 1)
+
+
+def engine_acceptance(path: str, prompts, n_new: int, ks):
+    """Greedy speculative decoding with the real engine (fixed depth K) on held-out prompts.
+
+    For each K: per draft position j the conditional acceptance accepted_j / tried_j (tried_j:
+    verify steps that had a real draft j with drafts 1..j-1 accepted), and tokens per verify
+    step ((accepted + verify steps) / verify steps). The greedy outputs of every K are compared
+    with K's first (speculation must not change greedy text). Returns {K: dict}.
+    """
+    from mtpjax.engine import Engine
+    from mtpjax.sampling import SamplingParams
+    res, ref = {}, None
+    for k in ks:
+        t0 = time.time()
+        eng = Engine.from_checkpoint(path, num_speculative_tokens=k)
+        outs = eng.generate([[int(t) for t in p] for p in prompts],
+                            SamplingParams(temperature=0.0, max_new_tokens=n_new))
+        errs = [o.error for o in outs if o.error]
+        if errs:
+            raise RuntimeError(f"engine K={k}: {errs[0]}")
+        acc = [sum(o.stats.accepted_per_position[j] for o in outs) for j in range(k)]
+        tried = [sum(o.stats.tried_per_position[j] for o in outs) for j in range(k)]
+        vs = sum(o.stats.verify_steps for o in outs)
+        acc_tok = sum(o.stats.accepted_tokens for o in outs)
+        toks = [list(o.token_ids) for o in outs]
+        ref = toks if ref is None else ref
+        res[k] = dict(accepted_per_position=acc, tried_per_position=tried,
+                      rate_per_position=[a / max(t, 1) for a, t in zip(acc, tried)],
+                      verify_steps=vs, accepted_tokens=acc_tok,
+                      tokens_per_step=(acc_tok + vs) / max(vs, 1),
+                      generated=sum(len(t) for t in toks), same_text_as_first_k=toks == ref,
+                      seconds=time.time() - t0)
+        print(f"engine K={k}: per-position acceptance "
+              f"{[round(r, 3) for r in res[k]['rate_per_position']]} (tried {tried}), "
+              f"{res[k]['tokens_per_step']:.3f} tokens/verify step, "
+              f"same text as K={ks[0]}: {toks == ref} ({res[k]['seconds']:.0f} s)", flush=True)
+    return res
+
+
+def check_chain_matches_engine(cfg, params, tok, root: int, n_steps: int):
+    """Max |difference| between the training unroll (mtp_chain) and the engine's own calls.
+
+    The engine path: model.mtp_forward over the true pairs at positions 0..root into a KV
+    cache (what the cache holds after verifying up to root), then n_steps-1 single-position
+    mtp_forward calls at root+1, root+2, ... fed the previous MTP output and the true next
+    token, as draft_chain does (teacher-forced). tok [1, L + n_steps + 1]."""
+    import jax.numpy as jnp
+    import numpy as np
+    from mtpjax import model
+    L = tok.shape[1] - n_steps - 1
+    h = _hidden(cfg, params, tok[:, :L])
+    outs = mtp_chain(cfg, params, h, tok, n_steps)
+    cache = model.init_cache(cfg, 1, L + n_steps, 1, params.embed.dtype)
+    hm, cache = model.mtp_forward(cfg, params, cache, h[:, :root + 1], tok[:, 1:root + 2],
+                                  model.Segment.full(1, root + 1))
+    hm = hm[:, -1:]
+    diffs = [float(jnp.max(jnp.abs(hm[:, 0] - outs[0][:, root])))]
+    for s in range(2, n_steps + 1):
+        seg = model.Segment(jnp.full((1,), root + s - 1, jnp.int32), jnp.ones((1,), jnp.int32))
+        hm, cache = model.mtp_forward(cfg, params, cache, hm, tok[:, root + s:root + s + 1], seg)
+        diffs.append(float(jnp.max(jnp.abs(hm[:, 0] - outs[s - 1][:, root]))))
+    return float(np.max(diffs))
 
 
 def greedy_generation_accept(cfg, params, prompts, n_new: int):
@@ -412,18 +661,111 @@ def _command() -> str:
     return "python -m experiments train_tiny " + " ".join(shlex.quote(a) for a in args)
 
 
+def _reproduce(stage1_command: str) -> list[str]:
+    """The from-scratch command pair: stage 1 as it was run (into /tmp/tiny_stage1, with
+    --mtp_chain=1 since it predates the flag) and this run with --init_from/--out pointed at
+    /tmp/tiny_stage1 and checkpoints/tiny (--baseline dropped: it only adds a report column)."""
+    def with_paths(cmd: str, **paths) -> str:
+        parts = [p for p in shlex.split(cmd)
+                 if not any(p.startswith(f"--{k}=") for k in (*paths, "baseline"))]
+        return " ".join(shlex.quote(p) for p in parts) + "".join(
+            f" --{k}={v}" for k, v in paths.items())
+    s1 = with_paths(stage1_command, out="/tmp/tiny_stage1")
+    if "--mtp_chain" not in s1:
+        s1 += " --mtp_chain=1"
+    return [s1, with_paths(_command(), init_from="/tmp/tiny_stage1", out="checkpoints/tiny")]
+
+
 def _dir_mb(path: str) -> float:
     return sum(os.path.getsize(os.path.join(path, f)) for f in os.listdir(path)
                if os.path.isfile(os.path.join(path, f))) / 1e6
 
 
-def write_report(out: str, metrics: dict):
+def _train_lines(m: dict) -> list[str]:
+    """Markdown bullets for one training run's train_metrics entry."""
+    t = m["train"]
+    chain, decay = t.get("mtp_chain", 1), t.get("mtp_chain_decay", 1.0)
+    a = t["mtp_distill"]
+    mtp = (f"{t['mtp_weight']:g} x [(1 - {a:g}) CE(MTP, t+2) + {a:g} CE(MTP, stop-grad target"
+           f" probs at p+1)]")
+    if chain > 1:
+        mtp = (f"{t['mtp_weight']:g} x sum_(s=1..{chain}) {decay:g}^(s-1) x [(1 - {a:g})"
+               f" CE(draft step s, t+s+1) + {a:g} CE(draft step s, stop-grad target probs at p+s)]"
+               f" (chained, teacher-forced unroll of the engine's draft chain, see below)")
+    lines = [
+        f"- command: `{m['command']}`",
+        f"- {'continued from ' + t['init_from'] + '; ' if t.get('init_from') else 'from scratch; '}"
+        f"{t['steps']} steps x {t['batch']} x {t['seq_len']} tokens = {t['tokens']:,} tokens"
+        f" (data seed {t['seed']}); AdamW (b2 0.95, wd {t['weight_decay']}, fresh optimizer"
+        f" state), peak lr {t['lr']:g}, warmup {t['warmup_frac']:g} + cosine to"
+        f" {t['min_lr_ratio']:g}x, clip {t['clip']:g}",
+        f"- loss: CE(target, t+1) + {mtp}",
+        f"- training time: {t['seconds']:.0f} s wall ({t['tokens_per_s']:.0f} tokens/s) on"
+        f" {m['machine']}{' (' + t['note'] + ')' if t.get('note') else ''}",
+    ]
+    if t.get("final"):
+        f = t["final"]
+        lines.append(f"- final train loss {f['loss']:.3f} (target CE {f['ce_t']:.3f}, MTP step-1"
+                     f" CE {f['ce_m']:.3f})")
+    return lines
+
+
+def _loss_table(hist: list[dict]) -> list[str]:
+    if not hist:
+        return []
+    chain = max((int(k[5:]) for k in hist[0] if k.startswith("agree") and k[5:].isdigit()),
+                default=1)
+    head = "| step | loss | target CE | MTP CE | " + " | ".join(
+        f"agree s{s}" for s in range(1, chain + 1)) if chain > 1 else \
+        "| step | loss | target CE | MTP CE | MTP/target agree"
+    lines = [head + " |", "|" + "---|" * (4 + chain)]
+    rows = hist[:: max(1, len(hist) // 20)]
+    if rows[-1] is not hist[-1]:
+        rows.append(hist[-1])
+    for r in rows:
+        ag = [r.get(f"agree{s}", r["agree"]) for s in range(1, chain + 1)]
+        lines.append(f"| {r['step']} | {r['loss']:.3f} | {r['ce_t']:.3f} | {r['ce_m']:.3f} | "
+                     + " | ".join(f"{a:.3f}" for a in ag) + " |")
+    return lines
+
+
+def _eval_rows(m: dict) -> list[tuple[str, object]]:
+    """(label, value) rows of the held-out and engine evaluation of one checkpoint."""
+    ev, g = m["heldout"], m["generation"]
+    rows = [("target next-token accuracy (argmax at p == token p+1)", ev["target_acc"]),
+            ("MTP t+2 accuracy (step-1 argmax at p == token p+2)", ev["mtp_acc"]),
+            ("greedy acceptance proxy, step 1 (MTP argmax at p == target argmax at p+1)",
+             ev["accept_proxy"])]
+    for s, (a, p) in enumerate(zip(ev.get("mtp_acc_by_step", [])[1:],
+                                   ev.get("accept_proxy_by_step", [])[1:]), start=2):
+        rows.append((f"teacher-forced draft step {s}: accuracy (== token p+{s + 1}) / agreement"
+                     f" with target argmax at p+{s}", f"{a:.3f} / {p:.3f}"))
+    rows.append(("first-draft acceptance, target decoding greedily (step-by-step cache)",
+                 g["accept"]))
+    if "distinct4" in g:
+        rows.append((f"distinct 4-gram fraction of the greedy continuations (1 = no repeats)",
+                     g["distinct4"]))
+    for k, e in sorted(m.get("engine", {}).items(), key=lambda kv: int(kv[0])):
+        rates = " / ".join(f"{r:.3f}" for r in e["rate_per_position"])
+        rows.append((f"engine K={k}: acceptance by draft position 1..{k} (accepted/tried)",
+                     rates))
+        rows.append((f"engine K={k}: tokens per verify step", e["tokens_per_step"]))
+    return rows
+
+
+def _fmt(v) -> str:
+    return f"{v:.3f}" if isinstance(v, float) else str(v)
+
+
+def write_report(out: str, metrics: dict, baseline: dict | None = None):
+    """train_metrics.json + TRAINING.md; baseline (another checkpoint's metrics, evaluated
+    the same way) adds a comparison column."""
     with open(os.path.join(out, "train_metrics.json"), "w") as f:
         json.dump(metrics, f, indent=2)
         f.write("\n")
     m, c = metrics, metrics["config"]
     ev = m["heldout"]
-    hist = m.get("loss_history", [])
+    stage1 = m.get("stage1")
     lines = [
         "# checkpoints/tiny — demo Qwen3.5-architecture model with a trained MTP head",
         "",
@@ -460,49 +802,70 @@ def write_report(out: str, metrics: dict):
         "",
         "## Training",
         "",
-        f"- command: `{m['command']}`",
-        f"- {m['train']['steps']} steps x {m['train']['batch']} x {m['train']['seq_len']} tokens"
-        f" = {m['train']['tokens']:,} tokens; AdamW (b2 0.95, wd {m['train']['weight_decay']}),"
-        f" peak lr {m['train']['lr']:g}, warmup + cosine to {m['train']['min_lr_ratio']:g}x, clip"
-        f" {m['train']['clip']:g}",
-        f"- loss: CE(target, t+1) + {m['train']['mtp_weight']:g} x [(1 - {m['train']['mtp_distill']:g})"
-        f" CE(MTP, t+2) + {m['train']['mtp_distill']:g} CE(MTP, stop-grad target probs at p+1)]",
-        f"- training time: {m['train']['seconds']:.0f} s wall ({m['train']['tokens_per_s']:.0f}"
-        f" tokens/s) on {m['machine']}",
-        f"- final train loss {m['train']['final']['loss']:.3f} (target CE"
-        f" {m['train']['final']['ce_t']:.3f}, MTP CE {m['train']['final']['ce_m']:.3f})",
+    ]
+    if stage1:
+        lines += ["### Stage 1 (from scratch)", ""] + _train_lines(stage1) + [
+            "", "### Stage 2 (continuation, chained MTP loss)", ""] + _train_lines(m)
+        lines += ["", "Reproduce from scratch (the tokenizer is trained in stage 1 and reused by"
+                  " stage 2 through --init_from; stage 1 predates --mtp_chain, whose default is"
+                  " now 4, hence `--mtp_chain=1`):", "", "```"]
+        lines += [m["reproduce"][0], m["reproduce"][1], "```"]
+    else:
+        lines += _train_lines(m)
+    lines += [
         "",
-        "## Held-out evaluation (the saved BF16 checkpoint, reloaded as float32)",
+        "Chained drafts: the engine (mtpjax/steps.py `draft_chain`) drafts d_1 from the pair"
+        " (target h_P, token P+1) at position P, then each step s > 1 feeds the MTP its own"
+        " post-norm output of step s-1 and the previous draft at position P+s-1, writing its"
+        " KV there and attending the MTP KV of positions <= P (true pairs) plus the chained"
+        " entries of this draft round. `mtp_chain` in train_tiny.py unrolls exactly this for"
+        " every root P at once (row P of step s sits at position P+s-1; its attention sees the"
+        " step-1 KV at positions <= P plus its own round's chained K/V), with one difference:"
+        " teacher forcing, i.e. step s is fed the true token P+s instead of the previous draft"
+        " (identical whenever drafts 1..s-1 are accepted, the only case in which draft s counts)."
+        f" Check: training unroll vs the engine's own mtp_forward calls on a cache, max |diff| of"
+        f" the MTP hidden {m.get('chain_check', float('nan')):.1e}.",
         "",
-        f"Over {ev['heldout_tokens']:,} held-out tokens ({m['eval']['windows']} windows of"
-        f" {m['eval']['len']}), teacher-forced on the true text:",
+        "## Evaluation (the saved BF16 checkpoint, reloaded as float32)",
         "",
-        "| metric | value |",
-        "|---|---|",
-        f"| target next-token accuracy (argmax at p == token p+1) | {ev['target_acc']:.3f} |",
-        f"| MTP t+2 accuracy (MTP argmax at p == token p+2) | {ev['mtp_acc']:.3f} |",
-        f"| greedy acceptance proxy (MTP argmax at p == target argmax at p+1) | {ev['accept_proxy']:.3f} |",
-        f"| first-draft acceptance, target decoding greedily ({m['generation']['prompts']} held-out"
-        f" prompts x {m['generation']['new_tokens']} tokens, engine cache) |"
-        f" {m['generation']['accept']:.3f} |",
+        f"Teacher-forced rows: over {ev['heldout_tokens']:,} held-out tokens ({m['eval']['windows']}"
+        f" windows of {m['eval']['len']}). Generation rows: {m['generation']['prompts']} held-out"
+        f" prompts of {m['generation']['prompt_len']} tokens (document starts), greedy, up to"
+        f" {m['generation']['new_tokens']} new tokens; engine rows use"
+        " `Engine.from_checkpoint(path, num_speculative_tokens=K)` (fixed depth K), acceptance of"
+        " position j = verify steps that accepted draft j / steps that verified a real draft j"
+        " with drafts 1..j-1 accepted; tokens per verify step = (accepted + steps) / steps.",
+        "",
+    ]
+    rows = _eval_rows(m)
+    if baseline is not None:
+        old = dict(_eval_rows(baseline))
+        before = "stage 1 only (previous checkpoint)" if stage1 else baseline.get("label", "baseline")
+        lines += [f"| metric | {before} | this checkpoint |",
+                  "|---|---|---|"]
+        lines += [f"| {k} | {_fmt(old.get(k, '-'))} | {_fmt(v)} |" for k, v in rows]
+    else:
+        lines += ["| metric | value |", "|---|---|"] + [f"| {k} | {_fmt(v)} |" for k, v in rows]
+    lines += [
         "",
         f"Check: the stock library path (jax.scipy `solve_triangular` in the chunked GDN) and the",
         f"fast exact solve used for training/eval (see experiments/train_tiny.py) give logits within"
         f" {m['solve_check']['max_abs_logit_diff']:.1e} of each other on a held-out window"
         f" (argmax agreement {m['solve_check']['argmax_agree']:.3f}).",
-        "",
-        "Reproduce: run the command above (about the same time on a 2-core CPU); the result is",
-        "deterministic given the seed up to floating-point reduction order.",
     ]
-    if hist:
-        lines += ["", "## Loss curve (every log step)", "", "| step | loss | target CE | MTP CE |"
-                  " MTP/target agree |", "|---|---|---|---|---|"]
-        rows = hist[:: max(1, len(hist) // 20)]
-        if rows[-1] is not hist[-1]:
-            rows.append(hist[-1])
-        for r in rows:
-            lines.append(f"| {r['step']} | {r['loss']:.3f} | {r['ce_t']:.3f} | {r['ce_m']:.3f} |"
-                         f" {r['agree']:.3f} |")
+    if m["generation"].get("sample"):
+        lines += ["", "## Greedy sample (held-out prompt, then the model's greedy continuation)",
+                  "", "```python", m["generation"]["sample"].rstrip(), "```"]
+        if baseline is not None and baseline["generation"].get("sample"):
+            lines += ["", "Before, same prompt:", "", "```python",
+                      baseline["generation"]["sample"].rstrip(), "```"]
+    lines += ["", "Reproduce: run the command(s) above (about the same time on the same CPU); the",
+              "result is deterministic given the seed up to floating-point reduction order."]
+    if stage1 and stage1.get("loss_history"):
+        lines += ["", "## Loss curve, stage 1", ""] + _loss_table(stage1["loss_history"])
+    if m.get("loss_history"):
+        lines += ["", f"## Loss curve{', stage 2' if stage1 else ''} (every log step)", ""]
+        lines += _loss_table(m["loss_history"])
     with open(os.path.join(out, "TRAINING.md"), "w") as f:
         f.write("\n".join(lines) + "\n")
 
@@ -529,8 +892,8 @@ def main(argv):
     tok_path = os.path.join(out, "tokenizer.json")
     if FLAGS.eval_only:
         tok = Tokenizer.from_file(tok_path)
-    elif FLAGS.tokenizer:
-        tok = Tokenizer.from_file(FLAGS.tokenizer)
+    elif FLAGS.tokenizer or FLAGS.init_from:
+        tok = Tokenizer.from_file(FLAGS.tokenizer or os.path.join(FLAGS.init_from, "tokenizer.json"))
     else:
         budget = FLAGS.tokenizer_train_mb * 1_000_000
         sample, used = [], 0
@@ -561,13 +924,21 @@ def main(argv):
     cfg = make_config(eos)
     history, train_info = [], {}
     if not FLAGS.eval_only:
-        params = init_train_params(cfg, FLAGS.seed)
+        if FLAGS.init_from:
+            cfg, params = mtpjax.load_checkpoint(FLAGS.init_from)   # float32 masters
+            if set(cfg.eos_token_ids) != set(eos):
+                raise ValueError(f"{FLAGS.init_from} stops on {cfg.eos_token_ids}, the "
+                                 f"tokenizer's specials are {eos}")
+            print(f"continuing from {FLAGS.init_from}", flush=True)
+        else:
+            params = init_train_params(cfg, FLAGS.seed)
         n_params = count_params(params)
         print(f"model: {n_params:,} params, layers {cfg.layer_types[:cfg.layer_period]} x "
               f"{cfg.num_layers // cfg.layer_period}", flush=True)
         opt, sched = make_optimizer(FLAGS.steps)
         opt_state = opt.init(params)
-        loss_fn = make_loss(cfg, FLAGS.mtp_weight, FLAGS.mtp_distill, FLAGS.compute_dtype)
+        loss_fn = make_loss(cfg, FLAGS.mtp_weight, FLAGS.mtp_distill, FLAGS.compute_dtype,
+                            FLAGS.mtp_chain, FLAGS.mtp_chain_decay)
 
         @partial(jax.jit, donate_argnums=(0, 1))
         def train_step(params, opt_state, tokens):
@@ -603,7 +974,9 @@ def main(argv):
                 history.append(dict(step=step, **avg))
                 print(f"step {step}/{FLAGS.steps} loss {avg['loss']:.3f} ce_t {avg['ce_t']:.3f} "
                       f"ce_m {avg['ce_m']:.3f} soft {avg['soft']:.3f} acc_t {avg['acc_t']:.3f} "
-                      f"acc_m {avg['acc_m']:.3f} agree {avg['agree']:.3f} "
+                      f"acc_m {avg['acc_m']:.3f} agree " + "/".join(
+                          f"{avg[f'agree{s}']:.3f}" for s in range(1, FLAGS.mtp_chain + 1)) +
+                      f" "
                       f"lr {float(sched(step)):.2e} | {tps:.0f} tok/s, eta {eta / 60:.1f} min",
                       flush=True)
         train_ctx.__exit__(None, None, None)
@@ -614,6 +987,8 @@ def main(argv):
             min_lr_ratio=FLAGS.min_lr_ratio, warmup_frac=FLAGS.warmup_frac,
             weight_decay=FLAGS.weight_decay, clip=FLAGS.clip, mtp_weight=FLAGS.mtp_weight,
             mtp_distill=FLAGS.mtp_distill, seed=FLAGS.seed, seconds=train_seconds,
+            mtp_chain=FLAGS.mtp_chain, mtp_chain_decay=FLAGS.mtp_chain_decay,
+            init_from=FLAGS.init_from,
             tokens_per_s=(FLAGS.steps - 1) * FLAGS.batch * FLAGS.seq_len
             / max(time.time() - t_first, 1e-9),
             final=history[-1] if history else {})
@@ -645,9 +1020,17 @@ def main(argv):
     fast_ctx = fast_triangular_solve()
     fast_ctx.__enter__()
     t0 = time.time()
-    ev = heldout_eval(cfg2, params, held_tok, FLAGS.eval_windows, FLAGS.eval_len)
-    print(f"held-out: target acc {ev['target_acc']:.3f}, MTP t+2 acc {ev['mtp_acc']:.3f}, "
-          f"acceptance proxy {ev['accept_proxy']:.3f} ({time.time() - t0:.1f} s)", flush=True)
+    n_chk = max(FLAGS.eval_chain, 2)
+    chain_check = check_chain_matches_engine(
+        cfg2, params, jnp.asarray(held_tok[None, :64 + n_chk + 1]), 40, n_chk)
+    print(f"training chain unroll vs engine mtp_forward calls: max |diff| {chain_check:.2e}",
+          flush=True)
+    ev = heldout_eval(cfg2, params, held_tok, FLAGS.eval_windows, FLAGS.eval_len,
+                      chain=FLAGS.eval_chain)
+    print(f"held-out: target acc {ev['target_acc']:.3f}, MTP acc by step "
+          f"{[round(x, 3) for x in ev['mtp_acc_by_step']]}, acceptance proxy by step "
+          f"{[round(x, 3) for x in ev['accept_proxy_by_step']]} ({time.time() - t0:.1f} s)",
+          flush=True)
     # prompts: starts of held-out documents (after an <|endoftext|>), skipping the eval windows
     eot = ids["<|endoftext|>"]
     starts = [i for i in np.nonzero(held_tok == eot)[0]
@@ -657,11 +1040,14 @@ def main(argv):
     prompts = np.stack([held_tok[s:s + FLAGS.gen_prompt_len] for s in starts])
     t0 = time.time()
     gen_acc, gen = greedy_generation_accept(cfg2, params, prompts, FLAGS.gen_new)
-    fast_ctx.__exit__(None, None, None)
+    distinct4 = distinct_ngram_fraction(gen.tolist(), 4)
     sample = tok.decode(list(prompts[0]) + list(gen[0]), skip_special_tokens=False)
-    print(f"greedy generation: first-draft acceptance {gen_acc:.3f} "
-          f"({len(prompts)} x {FLAGS.gen_new} tokens, {time.time() - t0:.1f} s)\n"
+    print(f"greedy generation: first-draft acceptance {gen_acc:.3f}, distinct 4-grams "
+          f"{distinct4:.3f} ({len(prompts)} x {FLAGS.gen_new} tokens, {time.time() - t0:.1f} s)\n"
           f"--- sample ---\n{sample}\n--------------", flush=True)
+    ks = [int(k) for k in FLAGS.engine_k]
+    engine = {str(k): v for k, v in engine_acceptance(out, prompts, FLAGS.gen_new, ks).items()}
+    fast_ctx.__exit__(None, None, None)
 
     if FLAGS.eval_only:
         prev_path = os.path.join(out, "train_metrics.json")
@@ -693,14 +1079,24 @@ def main(argv):
             tokenizer=dict(train_mb=FLAGS.tokenizer_train_mb, size=tok.get_vocab_size(),
                            specials=ids),
             train=train_info, loss_history=history)
+        if FLAGS.init_from:
+            s1 = json.load(open(os.path.join(FLAGS.init_from, "train_metrics.json")))
+            metrics["stage1"] = {k: s1[k] for k in ("command", "machine", "train", "loss_history")
+                                 if k in s1}
+            metrics["reproduce"] = _reproduce(s1["command"])
     metrics["heldout"] = ev
     metrics["solve_check"] = solve_check
     metrics["eval"] = dict(windows=FLAGS.eval_windows, len=FLAGS.eval_len)
     metrics["generation"] = dict(prompts=len(prompts), prompt_len=FLAGS.gen_prompt_len,
-                                 new_tokens=FLAGS.gen_new, accept=gen_acc)
+                                 new_tokens=FLAGS.gen_new, accept=gen_acc, distinct4=distinct4,
+                                 sample=sample)
+    metrics["engine"] = engine
+    metrics["chain_check"] = chain_check
+    metrics["label"] = os.path.normpath(out)
+    baseline = json.load(open(FLAGS.baseline)) if FLAGS.baseline else None
     metrics["disk_mb"] = _dir_mb(out) + 0.01  # + the report files themselves (small)
-    write_report(out, metrics)
+    write_report(out, metrics, baseline)
     metrics["disk_mb"] = _dir_mb(out)
-    write_report(out, metrics)
+    write_report(out, metrics, baseline)
     print(f"wrote {out}/TRAINING.md and train_metrics.json; total {time.time() - t_start:.0f} s",
           flush=True)
