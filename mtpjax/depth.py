@@ -21,9 +21,11 @@ and what it earns depends on the request. So both are measured while the engine 
   the cell (a line through its measured depths, slope >= 0), or scaled from the relative
   slope seen in other cells, or borrowed from the nearest cell; nothing measured: equal costs.
 - Exploration is local: until both neighbours (best - 1, best + 1) of the current best depth
-  have `explore` measurements in the cell the step runs a neighbour instead; afterwards every
-  `refresh`-th visit of the cell re-measures one (costs drift with the context). A switch
-  needs a `hysteresis` gain, so noise does not make the depth flap.
+  and depth 0 have `explore` measurements in the cell the step runs one of them instead;
+  afterwards every `refresh`-th visit of the cell re-measures one (costs drift with the
+  context). Depth 0 is always among them: it is the fallback when drafts stop landing, and a
+  line fitted through noisy deeper samples must not hide what it costs. A switch needs a
+  `hysteresis` gain, so noise does not make the depth flap.
 
 A depth-0 step still writes the MTP KV (steps.py), so a useless MTP head costs about nothing:
 acceptance 0 makes every E_d = 1 and the cheapest depth, 0, wins. Lossless whatever it
@@ -220,12 +222,15 @@ class AdaptiveDepth:
         return pick
 
     def _explore(self, best: int, top: int, cell) -> int:
-        nbrs = [d for d in (best + 1, best - 1) if 0 <= d <= top]
-        for d in nbrs:
+        """The neighbours of the best depth, and depth 0 (the fallback that must be known: a
+        line through noisy deeper samples can hide how cheap it is), get `explore` samples in
+        each cell first, then one every `refresh` visits in turn."""
+        cand = [d for d in dict.fromkeys((best + 1, best - 1, 0)) if 0 <= d <= top and d != best]
+        for d in cand:
             if self.costs.count(d, *cell) < self.explore:
                 return d
-        if nbrs and self.visits[cell] % self.refresh == 0:
-            return nbrs[(self.visits[cell] // self.refresh) % len(nbrs)]
+        if cand and self.visits[cell] % self.refresh == 0:
+            return cand[(self.visits[cell] // self.refresh) % len(cand)]
         return best
 
     def observe(self, view: StepView, depth: int, seconds: float, accepted, compiled: bool):

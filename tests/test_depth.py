@@ -159,22 +159,22 @@ def test_mtp_kv_fill_writes_what_the_mtp_forward_writes():
 
 # ------------------------------------------------------------------------- the policy
 
-def _view(lanes, max_depth=K, bucket=1, pos=100, stats=None):
-    st = stats or RequestStats.for_depth(K)
-    return StepView(K, max_depth, tuple(LaneView(i, pos, K, st) for i in range(lanes)), bucket,
+def _view(lanes, max_depth=K, bucket=1, pos=100, stats=None, k=K):
+    st = stats or RequestStats.for_depth(k)
+    return StepView(k, max_depth, tuple(LaneView(i, pos, k, st) for i in range(lanes)), bucket,
                     0)
 
 
-def _drive(policy, accept, cost, steps=400, lanes=1, max_depth=K):
+def _drive(policy, accept, cost, steps=400, lanes=1, max_depth=K, k=K):
     """Run the policy against a synthetic device: cost(d) seconds per step, and each lane's
     draft j accepted with probability accept[j] given the earlier ones (seeded)."""
     rng = random.Random(0)
-    stats = RequestStats.for_depth(K)
+    stats = RequestStats.for_depth(k)
     picks = []
     for _ in range(steps):
-        view = _view(lanes, max_depth, stats=stats)
+        view = _view(lanes, min(max_depth, k), stats=stats, k=k)
         d = policy(view)
-        assert 0 <= d <= min(K, max_depth)
+        assert 0 <= d <= min(k, max_depth)
         acc = []
         for _ in range(lanes):
             n = 0
@@ -242,3 +242,47 @@ def test_policy_arguments_are_checked():
                 dict(refresh=0), dict(hysteresis=-0.1)):
         with pytest.raises(ValueError, match="AdaptiveDepth needs"):
             AdaptiveDepth(**bad)
+
+
+def test_predict_matches_the_expected_token_arithmetic():
+    """predict() runs the policy on given step times and pooled acceptance: with acceptance
+    a_j (share of verify steps accepting draft j), E_d = 1 + a_1 + ... + a_d per lane."""
+    from mtpjax.depth import predict
+    acc = [0.9, 0.7, 0.4, 0.1]
+    times = [1.0, 1.1, 1.2, 1.3, 1.4]
+    depth, rates = predict(times, acc, lanes=2)
+    want = [2 * (1 + sum(acc[:d])) / t for d, t in enumerate(times)]
+    assert rates == pytest.approx(want, rel=1e-5)
+    assert depth == int(np.argmax(want)) == 3
+    assert predict([1.0, 2.0], [0.5])[0] == 0            # doubling the step for 0.5 tokens
+    with pytest.raises(ValueError, match="non-increasing"):
+        predict(times, [0.5, 0.7, 0.1, 0.0])
+
+
+def test_fixed_policy_depth_and_page_cap():
+    from mtpjax.scheduler import SpeculationPolicy
+    view = lambda max_depth, lanes=1: StepView(K, max_depth, tuple(
+        LaneView(i, 5, K, RequestStats.for_depth(K)) for i in range(lanes)), 1, 0)
+    assert SpeculationPolicy()(view(K)) == K
+    assert SpeculationPolicy(depth=2)(view(K)) == 2
+    assert SpeculationPolicy(depth=2)(view(1)) == 1          # the pages cap it
+    assert SpeculationPolicy(depth=9)(view(K)) == K
+    assert SpeculationPolicy(max_busy_lanes=1)(view(K, lanes=2)) == 0
+    with pytest.raises(ValueError, match="depth must be >= 0"):
+        SpeculationPolicy(depth=-1)
+
+
+def test_useless_head_finds_depth_zero_despite_misleading_early_samples():
+    """K = 2 and the first samples of depth 1 come from a loaded host (5x its cost): the line
+    through them and depth 2 has slope 0 and hides how cheap depth 0 is; with exploration
+    limited to the best depth's neighbours the policy sat at depth 2 until a refresh. Depth 0
+    is always measured, so a useless head settles there within a few steps."""
+    seen = {}
+
+    def cost(d):
+        seen[d] = seen.get(d, 0) + 1
+        return 5.0 if d == 1 and seen[d] <= 2 else 1.0 + 0.2 * d
+
+    pol = AdaptiveDepth()
+    picks = _drive(pol, accept=[0.0] * 2, cost=cost, steps=60, k=2)
+    assert picks[15:45].count(0) >= 27, (picks, pol.report())
