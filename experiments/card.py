@@ -15,7 +15,7 @@ def render_md(c: dict) -> str:
     ok = lambda b: "pass" if b else "FAIL"
     lines = ["# mtpjax judge card", ""]
     st = c["settings"]
-    lines.append(f"checkpoint `{st['checkpoint']}` · dtype {st['dtype']} · k = {st['k']} · kernels "
+    lines.append(f"checkpoint `{st['checkpoint']}` · dtype {st['dtype']} · {_policy_words(st)} · kernels "
                  f"{st['kernels']} · device {st['device']} ({st['backend']}) · jax "
                  f"{st['versions']['jax']} · {st['passes']} passes · wall {st['wall_s']:.0f} s"
                  + (f" · FP8 weights (target {c['fp8']['target']}, MTP head "
@@ -30,7 +30,7 @@ def render_md(c: dict) -> str:
                      f"{', '.join(f'{x:.3f}' for x in r['passes'])} | "
                      f"{', '.join(f'{x:.1f}' for x in t['stock_tok_s'])} | "
                      f"{', '.join(f'{x:.1f}' for x in t['candidate_tok_s'])} | "
-                     f"{c['acceptance'][w]:.3f} | {_fmt(util, 2)} | "
+                     f"{_fmt(c['acceptance'][w])} | {_fmt(util, 2)} | "
                      f"{_fmt(pu.get('stock'), 2)} / {_fmt(pu.get('candidate'), 2)} |")
     lines += ["", f"**SpecScore {c['specscore']:.3f}** (geometric mean of the workload ratios) · "
               f"score {c['score']:.3f} · gate: {'PASS' if c['reason'] is None else 'FAIL (' + c['reason'] + ')'}", ""]
@@ -52,9 +52,7 @@ def render_md(c: dict) -> str:
               f"| sampled_agreement | {c['sampled_agreement']:.4f} | reported | - |"]
     for w, v in c["lengths"].items():
         lines.append(f"| lengths/{w} | {v['ratio']:.3f} [{v['low']:.3f}, {v['high']:.3f}] | 1 ± {L['length_margin']} | {ok(c['checks']['lengths'])} |")
-    lines += ["", "Acceptance by draft position (share of verify steps accepting draft j):", ""]
-    for w, per in c["acceptance_by_position"].items():
-        lines.append(f"- {w}: " + ", ".join(f"d{j + 1} {x:.3f}" for j, x in enumerate(per)))
+    lines += [""] + render_depth_md(c)
     lines += ["", "Per-step time (ms, median over passes; draft + verify + accept run as one program):", ""]
     for w, sp in c["step_time_ms"].items():
         lines.append(f"- {w}: stock step {sp['stock']['step_s']:.2f} + host {sp['stock']['host_s']:.2f}; "
@@ -66,6 +64,63 @@ def render_md(c: dict) -> str:
     if c.get("fp8"):
         lines += [""] + render_fp8_md(c["fp8"])
     return "\n".join(lines) + "\n"
+
+
+def _policy_words(st: dict) -> str:
+    """"K = 4, adaptive depth 0..4" / "k = 4 fixed", plus the MTP head when it is the control."""
+    K = st["k"]
+    words = (f"K = {K}, adaptive depth 0..{K}" if st.get("adaptive") else f"k = {K} fixed")
+    if st.get("mtp_head", "trained") != "trained":
+        words += f" · MTP head **{st['mtp_head']}** (control)"
+    return words
+
+
+def _rates(xs, nd=3) -> str:
+    return ", ".join(f"d{j + 1} {_fmt(x, nd)}" for j, x in enumerate(xs))
+
+
+def render_depth_md(c: dict) -> list[str]:
+    """Depths the candidate ran (timed passes), acceptance by draft position and, for the
+    adaptive policy, what it measured: so a ratio can be read against what drove it."""
+    st, K = c["settings"], c["settings"]["k"]
+    hist, ap = c.get("depth_hist", {}), c["acceptance_by_position"]
+    lines = [f"Candidate decode steps per draft depth (timed passes, all lanes of a step "
+             f"share its depth):", "",
+             "| workload | steps (stock / candidate) | " + " | ".join(f"d{d}" for d in range(K + 1))
+             + " | mean depth |", "|---|---|" + "---|" * (K + 2)]
+    for w, h in hist.items():
+        n = max(sum(h), 1)
+        ds = c.get("decode_steps", {}).get(w, {})
+        lines.append(f"| {w} | {ds.get('stock', 'n/a')} / {ds.get('candidate', 'n/a')} | "
+                     + " | ".join(f"{x} ({x / n:.0%})" for x in h)
+                     + f" | {sum(d * x for d, x in enumerate(h)) / n:.2f} |")
+    lines += ["", "Acceptance by draft position (timed passes): conditional = accepted / tried "
+              "(tried: a real draft j verified with drafts 1..j-1 accepted); share = verify "
+              "steps accepting draft j / verify steps (any depth):", "",
+              "| workload | tokens / verify step | tokens / lane step | conditional | share | verify steps | depth-0 lane steps |",
+              "|---|---|---|---|---|---|---|"]
+    for w, a in ap.items():
+        lines.append(f"| {w} | {_fmt(a['tokens_per_verify_step'])} | {a['tokens_per_lane_step']:.3f} | "
+                     f"{_rates(a['conditional'])} | {_rates(a['per_verify_step'])} | "
+                     f"{a['verify_steps']} | {a['plain_lane_steps']} |")
+    pol = {w: p for w, p in c.get("policy", {}).items() if p}
+    if pol:
+        lines += ["", "Adaptive policy (replica 0; its measured step cost in ms per depth at each "
+                  "lane bucket b / context bucket c, median of its recent steps; pooled "
+                  "conditional acceptance; depths chosen, the untimed pass included):", ""]
+        for w, p in pol.items():
+            r = p["replicas"][0]
+            cells = "; ".join(f"{cell}: " + ", ".join(f"d{d} {ms:.2f}" for d, ms in v.items())
+                              for cell, v in r["costs_ms"].items())
+            chosen = ", ".join(f"d{d} {n}" for d, n in r["chosen"].items())
+            lines.append(f"- {w}: chosen {chosen or 'none'} · pooled {_rates(r['pooled_acceptance'])}")
+            lines.append(f"  - cost ms: {cells or 'none measured'}")
+    wu = st.get("warmup")
+    if wu:
+        lines += ["", "Engine warm-up (every decode program, before any timed work): "
+                  + ", ".join(f"{key} {v['programs']} programs in {v['seconds']:.1f} s"
+                              for key, v in wu.items())]
+    return lines
 
 
 def render_fp8_md(f: dict) -> list[str]:
@@ -121,10 +176,12 @@ def plot(c: dict, out_dir: str) -> list[str]:
     plt.close(fig)
     paths.append(p)
     fig, ax = plt.subplots(figsize=(5, 3.2))
-    for w, per in c["acceptance_by_position"].items():
-        ax.plot(range(1, len(per) + 1), per, marker="o", label=w)
+    for w, a in c["acceptance_by_position"].items():
+        per = a["conditional"]
+        xs = [j + 1 for j, x in enumerate(per) if x is not None]
+        ax.plot(xs, [x for x in per if x is not None], marker="o", label=w)
     ax.set_xlabel("draft position")
-    ax.set_ylabel("acceptance rate")
+    ax.set_ylabel("conditional acceptance")
     ax.set_ylim(0, 1)
     ax.legend()
     fig.tight_layout()
@@ -132,7 +189,31 @@ def plot(c: dict, out_dir: str) -> list[str]:
     fig.savefig(p, dpi=100)
     plt.close(fig)
     paths.append(p)
+    if c.get("depth_hist"):
+        paths.append(plot_depths(c, out_dir))
     return paths
+
+
+def plot_depths(c: dict, out_dir: str) -> str:
+    """depth.png: share of the candidate's decode steps at each depth, per workload."""
+    import matplotlib.pyplot as plt
+    hist = c["depth_hist"]
+    K = c["settings"]["k"]
+    fig, ax = plt.subplots(figsize=(5, 3.2))
+    width = 0.8 / max(len(hist), 1)
+    for i, (w, h) in enumerate(hist.items()):
+        n = max(sum(h), 1)
+        ax.bar([d - 0.4 + width * (i + 0.5) for d in range(K + 1)], [x / n for x in h], width,
+               label=w)
+    ax.set_xlabel("draft depth")
+    ax.set_ylabel("share of decode steps")
+    ax.set_xticks(range(K + 1))
+    ax.legend()
+    fig.tight_layout()
+    p = os.path.join(out_dir, "depth.png")
+    fig.savefig(p, dpi=100)
+    plt.close(fig)
+    return p
 
 
 def write(c: dict, out_dir: str) -> None:

@@ -1,10 +1,15 @@
 """`python -m experiments [judge]`: SpecScore on solo / team / busy, and the lossless gate.
 
 Contract: ../shared/spec/judge.md. Two engines that differ only in speculation (stock: k = 0;
-candidate: MTP with k drafts) run the same prompts, sampling parameters, kernels, lanes and page
-pool. Order of work:
+candidate: MTP with K draft slots) run the same prompts, sampling parameters, kernels, lanes and
+page pool. The candidate's depth policy (--adaptive, default on) picks each step's draft depth
+in 0..K from measured step cost and acceptance (mtpjax.depth.AdaptiveDepth); --adaptive=false
+runs the fixed depth K whenever the pages allow. Order of work:
 
-  1. warm-up: every engine/workload pair runs once untimed (compiles every shape)
+  0. engine warm-up: `Engine.warmup()` compiles every decode program (every depth 0..K, every
+     lane bucket), so that a depth switch never compiles inside a timed pass
+  1. warm-up: every engine/workload pair runs once untimed (compiles the prefill shapes; the
+     adaptive policy measures its first step costs here)
   2. passes: per workload, `--passes` passes alternating stock-first / candidate-first;
      ratio of a pass = candidate tokens/s / stock tokens/s; workload ratio = median
   3. gate: memory (each engine's own peak, measured in its own phase), fidelity (teacher-forced
@@ -53,7 +58,14 @@ flags.DEFINE_string("checkpoint", DEFAULT_CKPT, "checkpoint folder (HF layout or
 flags.DEFINE_string("out_dir", "runs/judge", "where card.md, card.json and plots go")
 flags.DEFINE_integer("passes", 3, "timed passes per workload")
 flags.DEFINE_list("workloads", ["solo", "team", "busy"], "workloads to run")
-flags.DEFINE_integer("num_speculative_tokens", 1, "k of the candidate engine")
+flags.DEFINE_integer("num_speculative_tokens", 4, "K: the candidate's draft slots (its deepest "
+                     "draft depth; >= 1)")
+flags.DEFINE_bool("adaptive", True, "candidate depth policy: adaptive over depths 0..K "
+                  "(mtpjax.depth.AdaptiveDepth); --adaptive=false: the fixed depth K")
+flags.DEFINE_enum("mtp_head", "trained", ["trained", "random"], "the MTP head both engines run: "
+                  "trained = the checkpoint's; random = Gaussian noise of the same shapes, dtype "
+                  "and per-tensor mean/std (seeded by --seed), a control whose drafts are almost "
+                  "never accepted")
 flags.DEFINE_integer("max_new_tokens", 48, "reply length cap for the workloads")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "model dtype")
 flags.DEFINE_string("kernels", None, "reference | pallas | interpret (default: by backend)")
@@ -90,7 +102,9 @@ class JudgeConfig:
     out_dir: str = "runs/judge"
     passes: int = 3
     workloads: tuple = ("solo", "team", "busy")
-    k: int = 1
+    k: int = 4                  # K: the candidate's draft slots (deepest depth)
+    adaptive: bool = True       # candidate policy: adaptive over 0..K, else fixed K
+    mtp_head: str = "trained"   # trained | random (the useless-head control)
     max_new_tokens: int = 48
     dtype: str = "float32"
     weights: str = "auto"       # mtpjax.load_checkpoint(weights=...): auto | fp8 | dense
@@ -120,7 +134,8 @@ def _from_flags() -> JudgeConfig:
     f = FLAGS
     return JudgeConfig(
         checkpoint=f.checkpoint, out_dir=f.out_dir, passes=f.passes, workloads=tuple(f.workloads),
-        k=f.num_speculative_tokens, max_new_tokens=f.max_new_tokens, dtype=f.dtype,
+        k=f.num_speculative_tokens, adaptive=f.adaptive, mtp_head=f.mtp_head,
+        max_new_tokens=f.max_new_tokens, dtype=f.dtype,
         weights=f.weights, mtp_weights=f.mtp_weights,
         kernels=f.kernels, solo_requests=f.solo_requests, team_lanes=f.team_lanes,
         team_requests=f.team_requests, busy_lanes=f.busy_lanes, busy_requests=f.busy_requests,
@@ -157,12 +172,37 @@ def _tokenizer(path):
 
 # ------------------------------------------------------------------------------- engines
 
+def check_config(jc: JudgeConfig, cfg=None) -> None:
+    """Bad settings fail before anything loads or compiles, with the flag to change.
+
+    K = 0 is refused rather than run as stock against stock: the judge measures speculation,
+    and a candidate without draft slots would report a meaningless ratio of 1."""
+    if jc.k < 1:
+        raise ValueError(f"--num_speculative_tokens (K) must be >= 1, got {jc.k}: the candidate "
+                         "speculates with up to K drafts (K = 0 would be stock against stock)")
+    if jc.mtp_head not in ("trained", "random"):
+        raise ValueError(f"--mtp_head must be 'trained' or 'random', got {jc.mtp_head!r}")
+    if jc.passes < 1:
+        raise ValueError(f"--passes must be >= 1, got {jc.passes}")
+    if cfg is not None and not cfg.has_mtp:
+        raise ValueError(f"{jc.checkpoint} has no MTP head: the candidate cannot draft")
+
+
+def candidate_policy(jc: JudgeConfig, k: int):
+    """The Engine's speculation_policy: "adaptive" (each engine, each dp replica, builds its
+    own AdaptiveDepth, so what one workload learned never leaks into another's run) or None
+    (fixed depth K whenever the pages allow). Stock (k = 0) has one depth only."""
+    return "adaptive" if (k and jc.adaptive) else None
+
+
 def make_engine(cfg, params, jc: JudgeConfig, k: int, lanes: int, num_pages: int | None,
                 max_seq_len: int, placed=None):
-    """Stock (k = 0) and candidate engines differ only in k: same lanes, pool, kernels and
-    devices (jc.tp x jc.dp; `placed`: the params already laid out there, shared)."""
+    """Stock (k = 0) and candidate engines differ only in speculation (k and its depth policy):
+    same lanes, pool, kernels and devices (jc.tp x jc.dp; `placed`: the params already laid
+    out there, shared)."""
     return mtpjax.make_engine(cfg, params, tp=jc.tp, dp=jc.dp, placed=placed,
-                              num_speculative_tokens=k, max_lanes=lanes,
+                              num_speculative_tokens=k,
+                              speculation_policy=candidate_policy(jc, k), max_lanes=lanes,
                               max_seq_len=max_seq_len, kernels=jc.kernels,
                               page_size=jc.page_size, num_pages=num_pages)
 
@@ -221,7 +261,10 @@ def workload_plan(name: str, jc: JudgeConfig, prompts):
 
 
 def busy_pages(jc: JudgeConfig, prompts) -> int:
-    """Pool size: busy_fill x the pages every busy lane would hold at its mid-reply length."""
+    """Pool size: busy_fill x the pages every busy lane would hold at its mid-reply length,
+    counting the 2K - 1 positions past a lane's last token that a depth-K step writes
+    (kv_pool.tokens_touched_decode), so the candidate's deepest step is affordable in the
+    steady state while the pool stays full; stock runs the same pool."""
     mean_len = np.mean([len(p) for p in prompts]) + jc.max_new_tokens / 2 + 2 * jc.k + 1
     per_lane = int(np.ceil(mean_len / jc.page_size))
     return max(int(jc.busy_lanes * per_lane * jc.busy_fill), per_lane + 1)
@@ -250,23 +293,105 @@ def timed_generate(engine, prompts, params):
                 waiting.append(util[-1])
 
     engine.reset_timing(("prefill_s", "step_s", "host_s", "steps"))
+    depth_before = list(engine.depth_steps)
     t0 = time.perf_counter()
     outs = engine.generate(prompts, params, on_token=on_token)
     wall = time.perf_counter() - t0
+    depth_steps = [a - b for a, b in zip(engine.depth_steps, depth_before)]
     errors = [o.error for o in outs if o.finish_reason == "error"]
     if errors:
         raise RuntimeError(f"judge request failed: {errors[0]}")
     tokens = sum(len(o.token_ids) for o in outs)
     return {"outs": outs, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
-            "timing": dict(engine.timing), "page_util": float(np.mean(util)) if util else None,
+            "timing": dict(engine.timing), "depth_steps": depth_steps,
+            "page_util": float(np.mean(util)) if util else None,
             "page_use_waiting": float(np.mean(waiting)) if waiting else None}
 
 
 def acceptance(outs, k: int) -> tuple[float, list[float]]:
+    """(tokens per verify step, share of verify steps accepting draft j) over `outs`."""
     steps = sum(o.stats.verify_steps for o in outs)
     acc = sum(o.stats.accepted_tokens for o in outs)
     per = [sum(o.stats.accepted_per_position[j] for o in outs) / max(steps, 1) for j in range(k)]
     return (steps + acc) / max(steps, 1), per
+
+
+def acceptance_detail(outs, k: int) -> dict:
+    """Acceptance by draft position over `outs` (any number of passes' outputs).
+
+    conditional[j]: accepted / tried of position j+1, the steps that verified a real draft j+1
+    with drafts 1..j accepted (what the adaptive policy estimates); per_verify_step[j]: the
+    share of verify steps (depth > 0) accepting draft j+1, whatever their depth (with an
+    adaptive depth, a shallow step cannot accept a deep draft, so this mixes depths). The
+    counts are kept so the rates can be checked and pooled. tokens_per_lane_step counts the
+    depth-0 steps too (1 token each); tokens_per_verify_step is None when the policy never
+    verified (a useless head: every step at depth 0)."""
+    verify = sum(o.stats.verify_steps for o in outs)
+    plain = sum(o.stats.plain_steps for o in outs)
+    acc_tokens = sum(o.stats.accepted_tokens for o in outs)
+    accepted = [int(sum(o.stats.accepted_per_position[j] for o in outs)) for j in range(k)]
+    tried = [int(sum(o.stats.tried_per_position[j] for o in outs)) for j in range(k)]
+    return {"conditional": [a / t if t else None for a, t in zip(accepted, tried)],
+            "per_verify_step": [a / max(verify, 1) for a in accepted],
+            "accepted": accepted, "tried": tried, "verify_steps": int(verify),
+            "plain_lane_steps": int(plain),
+            "tokens_per_verify_step": (verify + acc_tokens) / verify if verify else None,
+            "tokens_per_lane_step": (verify + plain + acc_tokens) / max(verify + plain, 1)}
+
+
+def sum_depths(runs) -> list[int]:
+    """Decode steps per depth, summed over timed passes (engine.depth_steps differences)."""
+    return [int(sum(col)) for col in zip(*(r["depth_steps"] for r in runs))]
+
+
+def policy_report(engine) -> dict | None:
+    """The adaptive policy's own account, per dp replica (None for a fixed depth): depths it
+    chose (cumulative: the untimed pass included), pooled conditional acceptance, and its
+    measured step costs as {"b<lanes>/c<context>": {depth: median ms}}."""
+    reps = [e.policy for e in getattr(engine, "replicas", [engine])]
+    if not all(hasattr(p, "report") for p in reps):
+        return None
+    out = []
+    for p in reps:
+        r = p.report()
+        cells: dict = {}
+        for key, ms in r["costs_ms"].items():
+            d, cell = key.split("/", 1)
+            cells.setdefault(cell, {})[int(d[1:])] = ms
+        order = sorted(cells, key=lambda cell: tuple(int(x[1:]) for x in cell.split("/")))
+        out.append({"chosen": {int(d): int(n) for d, n in r["chosen"].items()},
+                    "pooled_acceptance": [float(x) for x in r["pooled_acceptance"]],
+                    "costs_ms": {c: dict(sorted(cells[c].items())) for c in order}})
+    return {"name": type(reps[0]).__name__, "replicas": out}
+
+
+def warm_engines(engines: dict) -> dict:
+    """Engine.warmup() on every engine before any timed work: (programs compiled, seconds)."""
+    out = {}
+    for (w, kk), e in engines.items():
+        t0 = time.perf_counter()
+        n = e.warmup()
+        out[f"{w}/k={kk}"] = {"programs": int(n), "seconds": time.perf_counter() - t0}
+    return out
+
+
+def randomize_mtp_head(params, seed: int):
+    """params with the MTP head replaced by noise: each tensor Gaussian with its own mean and
+    std, same shape and dtype, seeded. The target (and the embedding and lm_head the head
+    shares with it) is untouched, so stock is unchanged and the candidate's drafts are
+    almost never accepted: the control for "a useless head costs about nothing"."""
+    if params.mtp is None:
+        raise ValueError("--mtp_head=random: the checkpoint has no MTP head")
+    if quant.has_fp8(params.mtp):
+        raise ValueError("--mtp_head=random needs a dense MTP head (not --mtp_weights=fp8)")
+    leaves, tree = jax.tree.flatten(params.mtp)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    new = []
+    for key, x in zip(keys, leaves):
+        x32 = jnp.asarray(x, jnp.float32)
+        noise = jax.random.normal(key, x.shape, jnp.float32)
+        new.append((x32.mean() + x32.std() * noise).astype(x.dtype))
+    return dataclasses.replace(params, mtp=jax.tree.unflatten(tree, new))
 
 
 # ------------------------------------------------------------------------------- gate pieces
@@ -413,8 +538,8 @@ FP8_FIDELITY_HOW = ("teacher-forced target log-probs (mtpjax.forward_logits, no 
                     "dtype; over every next-token position: mean |log p_fp8 - log p_dense| of "
                     "the actual next token, share of positions whose argmax agrees, mean "
                     "KL(dense || fp8) in nats")
-FP8_MTP_HOW = ("the candidate engine (k drafts, the gate workload's lanes and pool) generating "
-               "greedily (temperature 0, max_new_tokens) from the gate prompts, the target as "
+FP8_MTP_HOW = ("the candidate's engine at the fixed depth K (the gate workload's lanes and "
+               "pool) generating greedily (temperature 0, max_new_tokens) from the gate prompts, the target as "
                "the judge runs it, once with the MTP head dense and once FP8; tokens per "
                "verify step = (verify steps + accepted drafts) / verify steps, acceptance of "
                "draft j = share of verify steps accepting it; greedy_agreement: the two runs' "
@@ -531,7 +656,13 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
     t_start = time.perf_counter()
     k = jc.k if candidate_k is None else candidate_k
     jc = dataclasses.replace(jc, k=k)
+    check_config(jc)
     cfg, params, dense = load_weights(jc)
+    check_config(jc, cfg)
+    if jc.mtp_head == "random":
+        if quant.has_fp8(params):
+            raise ValueError("--mtp_head=random runs with dense weights only")
+        params = randomize_mtp_head(params, jc.seed)
     tokenizer = _tokenizer(jc.checkpoint)
     texts = load_texts(tokenizer, jc)
     fp8 = other = None
@@ -568,14 +699,18 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
         for kk in (0, k):
             engines[(w, kk)] = make_engine(cfg, params, jc, kk, lanes, pool[w], max_seq_len,
                                            placed=placed)
+    warmup = warm_engines(engines)   # before any pass: no depth switch compiles while timed
     kernels = engines[(jc.workloads[0], 0)].kernels
     gate_w = "team" if "team" in plans else jc.workloads[0]
     gp = prompts[:jc.gate_prompts]
     if fp8 is not None and other is not None:   # the gate workload's candidate, either head
         t_fp8 = time.perf_counter()
         lanes = plans[gate_w][0]
-        heads = {head_weights(params): engines[(gate_w, k)],
-                 other[0]: make_engine(cfg, other[1], jc, k, lanes, pool[gate_w], max_seq_len)}
+        # both heads at the fixed depth K: an adaptive depth would differ between the heads
+        # and blur what is compared (the programs are the candidate's, already compiled)
+        fixed = dataclasses.replace(jc, adaptive=False)
+        heads = {head: make_engine(cfg, tree, fixed, k, lanes, pool[gate_w], max_seq_len)
+                 for head, tree in ((head_weights(params), params), other)}
         fp8["mtp_acceptance"] = {"workload": gate_w, "lanes": lanes,
                                  **mtp_head_acceptance(heads, gp, jc)}
         del heads, other
@@ -584,7 +719,7 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
     total = len(plans) * 2 * (1 + jc.passes) + 3
     bar = tqdm(total=total, desc="judge", disable=not jc.progress, leave=False)
     results = {w: {"stock": [], "candidate": []} for w in plans}
-    warm = {}
+    warm, policy = {}, {}
     for w, (lanes, reqs) in plans.items():
         params_w = workload_params(jc, len(reqs))
         for kk in (0, k):
@@ -596,6 +731,7 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
                 r = timed_generate(engines[(w, kk)], reqs, params_w)
                 results[w]["stock" if kk == 0 else "candidate"].append(r)
                 bar.update(1)
+        policy[w] = policy_report(engines[(w, k)])   # before the gate runs add to it
 
     # ---- gate: sampled replies (likelihood, argmax, sampled agreement) on the team engines
     sp = [SamplingParams(temperature=jc.sample_temperature, max_new_tokens=jc.max_new_tokens,
@@ -622,14 +758,18 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
 
     mem_c, mem_s = peak[k] / 2 ** 20, peak[0] / 2 ** 20
     ratios, lengths, acc, acc_pos, thr, split, util = {}, {}, {}, {}, {}, {}, {}
-    page_use = {}
+    page_use, depth_hist, decode_steps = {}, {}, {}
     for w in plans:
         st, ca = results[w]["stock"], results[w]["candidate"]
         passes = [c["tok_s"] / s["tok_s"] for s, c in zip(st, ca)]
         ratios[w] = {"passes": passes, "ratio": statistics.median(passes)}
         lengths[w] = gate.length_ratio([len(o.token_ids) for o in ca[0]["outs"]],
                                        [len(o.token_ids) for o in st[0]["outs"]])
-        acc[w], acc_pos[w] = acceptance(ca[0]["outs"], k)
+        acc_pos[w] = acceptance_detail([o for c in ca for o in c["outs"]], k)
+        acc[w] = acc_pos[w]["tokens_per_verify_step"]
+        depth_hist[w] = sum_depths(ca)
+        decode_steps[w] = {name: int(sum(r["timing"]["steps"] for r in rs))
+                           for name, rs in (("stock", st), ("candidate", ca))}
         thr[w] = {"stock_tok_s": [s["tok_s"] for s in st], "candidate_tok_s": [c["tok_s"] for c in ca]}
         split[w] = {name: {key: float(np.median([r["timing"][key] / max(r["timing"]["steps"], 1) * 1e3
                                                   for r in rs])) for key in ("step_s", "host_s")}
@@ -674,6 +814,9 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
         "page_use": {w: {**v, **verdict["page_use"].get(w, {})} for w, v in page_use.items()},
         "acceptance": acc,
         "acceptance_by_position": acc_pos,
+        "depth_hist": depth_hist,
+        "decode_steps": decode_steps,
+        "policy": policy,
         "limits": dataclasses.asdict(jc.limits),
         "checks": verdict["checks"],
         "reason": verdict["reason"],
@@ -685,6 +828,9 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
         "fp8": fp8,
         "settings": {
             "checkpoint": os.path.abspath(jc.checkpoint), "dtype": jc.dtype, "k": k,
+            "num_speculative_tokens": k, "adaptive": jc.adaptive,
+            "policy": engines[(jc.workloads[0], k)].stats().get("policy"),
+            "mtp_head": jc.mtp_head, "warmup": warmup,
             "weights": jc.weights, "mtp_weights": jc.mtp_weights,
             "kernels": kernels, "passes": jc.passes, "max_new_tokens": jc.max_new_tokens,
             "temperature": jc.temperature, "sample_temperature": jc.sample_temperature,

@@ -19,9 +19,11 @@ from mtpjax import quant, sampling
 # page use near 0.7 here (the default workload, 16 lanes, measures 0.93-0.94), so the busy
 # validity floor of this tiny configuration is lower than the default 0.9.
 SMALL_LIMITS = gate.Limits(busy_page_use_floor=0.5)
+# K = 1 (not the default 4) keeps the decode programs the warm-up compiles to 2 per lane bucket
+# (deeper K: test_acceptance_detail_and_depth_sums_on_known_counts).
 SMALL = dict(passes=1, solo_requests=2, team_lanes=2, team_requests=4, busy_lanes=2, prompt_tokens=16,
              busy_requests=6, max_new_tokens=12, gate_prompts=8, fidelity_tokens=8,
-             progress=False, limits=SMALL_LIMITS)
+             progress=False, limits=SMALL_LIMITS, k=1)
 # The smallest judge run (one workload): for checks that need an engine run, not the ratios.
 TINY = dict(SMALL, workloads=("solo",), solo_requests=1, gate_prompts=2, max_new_tokens=6,
             fidelity_tokens=2)
@@ -110,7 +112,8 @@ def test_judge_end_to_end_card(peaky_ckpt, tmp_path):
     assert card["sampled_agreement"] == 1.0 and card["greedy_agreement"] == 1.0
     assert card["fidelity"] < 1e-3
     for w in ("solo", "team", "busy"):
-        assert 1.0 <= card["acceptance"][w] <= 2.0
+        # None: the policy never verified (this checkpoint's MTP head is random)
+        assert card["acceptance"][w] is None or 1.0 <= card["acceptance"][w] <= 2.0
     assert (tmp_path / "card.md").exists() and (tmp_path / "throughput.png").exists()
     assert (tmp_path / "acceptance.png").exists()
     busy = on_disk["page_use"]["busy"]
@@ -123,6 +126,140 @@ def test_judge_end_to_end_card(peaky_ckpt, tmp_path):
     # dense weights: no FP8 section, nothing extra measured
     assert on_disk["fp8"] is None and "FP8" not in md
     assert on_disk["settings"]["weights"] == on_disk["settings"]["mtp_weights"] == "auto"
+    _check_depths_and_acceptance(on_disk, K=1)
+    st = on_disk["settings"]
+    assert st["adaptive"] is True and st["policy"] == "AdaptiveDepth"
+    assert st["mtp_head"] == "trained" and st["num_speculative_tokens"] == 1
+    # the warm-up compiled every depth of every lane bucket (solo 1; team, busy 1 and 2)
+    assert st["warmup"]["solo/k=1"]["programs"] == 2
+    assert st["warmup"]["team/k=1"]["programs"] == 4 and st["warmup"]["team/k=0"]["programs"] == 2
+    for w in ("solo", "team", "busy"):
+        r = on_disk["policy"][w]["replicas"][0]
+        assert on_disk["policy"][w]["name"] == "AdaptiveDepth"
+        assert r["costs_ms"] and all(ms > 0 for v in r["costs_ms"].values() for ms in v.values())
+        assert sum(r["chosen"].values()) > 0 and len(r["pooled_acceptance"]) == 1
+    assert "draft depth" in md and "conditional" in md and "Adaptive policy" in md
+    assert (tmp_path / "depth.png").exists()
+
+
+def _check_depths_and_acceptance(card, K):
+    """depth_hist counts the candidate's decode steps of the timed passes (the engine's own
+    count), and acceptance by position agrees with its counts: conditional = accepted / tried,
+    a draft is tried only after the one before it was accepted, the accepted drafts add up to
+    the tokens per verify step."""
+    for w, h in card["depth_hist"].items():
+        assert len(h) == K + 1 and all(x >= 0 for x in h), h
+        assert sum(h) == card["decode_steps"][w]["candidate"] > 0, (w, h, card["decode_steps"])
+        a = card["acceptance_by_position"][w]
+        acc, tried = a["accepted"], a["tried"]
+        assert len(acc) == len(tried) == K
+        for j in range(K):
+            assert 0 <= acc[j] <= tried[j]
+            if tried[j]:
+                assert a["conditional"][j] == pytest.approx(acc[j] / tried[j])
+                assert 0.0 <= a["conditional"][j] <= 1.0
+            else:
+                assert a["conditional"][j] is None
+            if j:
+                assert tried[j] <= acc[j - 1], (w, a)
+        if a["verify_steps"]:
+            assert a["per_verify_step"][j] == pytest.approx(acc[j] / a["verify_steps"])
+            assert a["tokens_per_verify_step"] == pytest.approx(1 + sum(acc) / a["verify_steps"])
+            assert 1.0 <= a["tokens_per_lane_step"] <= a["tokens_per_verify_step"]
+        else:
+            assert a["tokens_per_verify_step"] is None and a["tokens_per_lane_step"] == 1.0
+        assert card["acceptance"][w] == a["tokens_per_verify_step"]
+    # one lane: every step is one lane-step, so the request stats and the histogram must agree
+    solo, h = card["acceptance_by_position"]["solo"], card["depth_hist"]["solo"]
+    assert solo["verify_steps"] == sum(h[1:]) and solo["plain_lane_steps"] == h[0]
+
+
+def test_judge_fixed_depth_runs_depth_k_only(peaky_ckpt, tmp_path):
+    """--adaptive=false: the candidate runs depth K at every step its pages allow (here
+    always: the solo pool holds every lane at full context), even with a head whose drafts
+    are never accepted, which the adaptive run turns down. Reuses the end-to-end test's
+    programs (same K, lanes and shapes)."""
+    jc = judge.JudgeConfig(checkpoint=peaky_ckpt, out_dir=str(tmp_path),
+                           **{**TINY, "adaptive": False, "max_new_tokens": 12,
+                              "fidelity_tokens": 8})
+    card = judge.run_judge(jc)
+    h = card["depth_hist"]["solo"]
+    assert h[0] == 0 and h[1] == card["decode_steps"]["solo"]["candidate"] > 0, h
+    assert card["settings"]["adaptive"] is False and card["policy"]["solo"] is None
+    assert card["settings"]["policy"] == "SpeculationPolicy"
+    _check_depths_and_acceptance(card, K=1)
+    assert "k = 1 fixed" in (tmp_path / "card.md").read_text()
+
+
+class _Out:
+    def __init__(self, **stats):
+        self.stats = mtpjax.RequestStats(**stats)
+
+
+def test_acceptance_detail_and_depth_sums_on_known_counts():
+    """K = 3, two requests whose counts are known: the card's rates are the pooled counts."""
+    outs = [_Out(verify_steps=4, accepted_tokens=5, plain_steps=2,
+                 accepted_per_position=[3, 2, 0], tried_per_position=[4, 3, 1]),
+            _Out(verify_steps=2, accepted_tokens=1, plain_steps=0,
+                 accepted_per_position=[1, 0, 0], tried_per_position=[2, 1, 0])]
+    a = judge.acceptance_detail(outs, 3)
+    assert a["accepted"] == [4, 2, 0] and a["tried"] == [6, 4, 1]
+    assert a["conditional"] == pytest.approx([4 / 6, 2 / 4, 0.0])
+    assert a["per_verify_step"] == pytest.approx([4 / 6, 2 / 6, 0.0])
+    assert a["tokens_per_verify_step"] == pytest.approx((6 + 6) / 6)
+    assert a["tokens_per_lane_step"] == pytest.approx((6 + 2 + 6) / 8)
+    assert judge.acceptance(outs, 3)[0] == a["tokens_per_verify_step"]
+    never = judge.acceptance_detail([_Out(plain_steps=5, accepted_per_position=[0, 0],
+                                          tried_per_position=[0, 0])], 2)
+    assert never["tokens_per_verify_step"] is None and never["conditional"] == [None, None]
+    runs = [{"depth_steps": [1, 0, 4, 2]}, {"depth_steps": [0, 3, 1, 0]}]
+    assert judge.sum_depths(runs) == [1, 3, 5, 2]
+
+
+def test_policy_report_groups_costs_by_cell():
+    class FakePolicy:
+        def report(self):
+            return {"chosen": {0: 3, 2: 5}, "pooled_acceptance": [0.5, 0.25],
+                    "costs_ms": {"d0/b2/c64": 1.0, "d2/b2/c64": 2.0, "d1/b16/c128": 3.0,
+                                 "d0/b4/c64": 4.0}}
+
+    class FakeEngine:
+        policy = FakePolicy()
+
+    r = judge.policy_report(FakeEngine())["replicas"][0]
+    assert r["costs_ms"] == {"b2/c64": {0: 1.0, 2: 2.0}, "b4/c64": {0: 4.0},
+                             "b16/c128": {1: 3.0}}
+    assert list(r["costs_ms"]) == ["b2/c64", "b4/c64", "b16/c128"]
+    assert r["chosen"] == {0: 3, 2: 5}
+    FakeEngine.policy = mtpjax.engine.SpeculationPolicy()
+    assert judge.policy_report(FakeEngine()) is None
+
+
+@pytest.mark.parametrize("over,match", [({"k": 0}, "must be >= 1"), ({"k": -1}, "must be >= 1"),
+                                        ({"mtp_head": "broken"}, "mtp_head"),
+                                        ({"passes": 0}, "passes")])
+def test_bad_settings_fail_before_anything_runs(tmp_path, over, match):
+    jc = judge.JudgeConfig(checkpoint=str(tmp_path / "nowhere"), **over)
+    with pytest.raises(ValueError, match=match):
+        judge.run_judge(jc)
+
+
+def test_random_mtp_head_keeps_shapes_and_the_target(peaky_ckpt):
+    """The useless-head control: same shapes, dtypes and per-tensor scale, other values,
+    seeded; the target is the very same arrays."""
+    cfg, params = mtpjax.load_checkpoint(peaky_ckpt, "float32")
+    rnd = judge.randomize_mtp_head(params, 0)
+    assert rnd.layers is params.layers and rnd.embed is params.embed
+    old, new = jax.tree.leaves(params.mtp), jax.tree.leaves(rnd.mtp)
+    assert len(old) == len(new)
+    for a, b in zip(old, new):
+        assert a.shape == b.shape and a.dtype == b.dtype
+        assert not np.array_equal(np.asarray(a), np.asarray(b))
+        if a.size > 256:
+            assert np.std(np.asarray(b)) == pytest.approx(np.std(np.asarray(a)), rel=0.2)
+    again = judge.randomize_mtp_head(params, 0)
+    assert all(np.array_equal(np.asarray(a), np.asarray(b))
+               for a, b in zip(new, jax.tree.leaves(again.mtp)))
 
 
 def _always_accept(real_verify):
