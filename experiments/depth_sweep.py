@@ -61,23 +61,45 @@ DEFAULT_DEPTHS = (0, 1, 2, 3, 4, ADAPTIVE)
 # Flag values
 # --------------------------------------------------------------------------------------------
 
+def _distinct(items: Sequence[str | int], flag: str, one: Callable[[str], int | str]) -> list:
+    """A flag list parsed item by item (`one` raises on a bad item): distinct, in order."""
+    out: list = []
+    for it in items:
+        v = one(str(it).strip())
+        if v in out:
+            raise ValueError(f"{flag}: {v} is listed twice")
+        out.append(v)
+    if not out:
+        raise ValueError(f"{flag}: give at least one value")
+    return out
+
+
+def _lane(s: str) -> int:
+    try:
+        n = int(s)
+    except ValueError:
+        raise ValueError(f"--sweep_lanes: {s!r} is not an integer") from None
+    if n < 1:
+        raise ValueError(f"--sweep_lanes: lane counts must be >= 1, got {n}")
+    return n
+
+
+def _depth(s: str) -> int | str:
+    if s.lower() == ADAPTIVE:
+        return ADAPTIVE
+    try:
+        d = int(s)
+    except ValueError:
+        raise ValueError(f"--sweep_depths: unknown depth {s!r}; give integers >= 0 and/or "
+                         f"'{ADAPTIVE}'") from None
+    if d < 0:
+        raise ValueError(f"--sweep_depths: depths must be >= 0, got {d}")
+    return d
+
+
 def parse_lanes(items: Sequence[str | int]) -> list[int]:
     """Lane counts from a flag list: positive, distinct integers, kept in the given order."""
-    out = []
-    for it in items:
-        s = str(it).strip()
-        try:
-            n = int(s)
-        except ValueError:
-            raise ValueError(f"--sweep_lanes: {s!r} is not an integer") from None
-        if n < 1:
-            raise ValueError(f"--sweep_lanes: lane counts must be >= 1, got {n}")
-        if n in out:
-            raise ValueError(f"--sweep_lanes: {n} is listed twice")
-        out.append(n)
-    if not out:
-        raise ValueError("--sweep_lanes: give at least one lane count")
-    return out
+    return _distinct(items, "--sweep_lanes", _lane)
 
 
 def parse_depths(items: Sequence[str | int]) -> list[int | str]:
@@ -85,24 +107,7 @@ def parse_depths(items: Sequence[str | int]) -> list[int | str]:
 
     'adaptive' runs with K = the deepest integer depth listed, so it needs one >= 1.
     """
-    out: list[int | str] = []
-    for it in items:
-        s = str(it).strip().lower()
-        if s == ADAPTIVE:
-            d: int | str = ADAPTIVE
-        else:
-            try:
-                d = int(s)
-            except ValueError:
-                raise ValueError(f"--sweep_depths: unknown depth {str(it)!r}; give integers "
-                                 f">= 0 and/or '{ADAPTIVE}'") from None
-            if d < 0:
-                raise ValueError(f"--sweep_depths: depths must be >= 0, got {d}")
-        if d in out:
-            raise ValueError(f"--sweep_depths: {d} is listed twice")
-        out.append(d)
-    if not out:
-        raise ValueError("--sweep_depths: give at least one depth")
+    out = _distinct(items, "--sweep_depths", _depth)
     if ADAPTIVE in out and adaptive_k(out) < 1:
         raise ValueError(f"--sweep_depths: '{ADAPTIVE}' takes K from the deepest integer depth "
                          f"listed, which must be >= 1 (got {out})")
