@@ -150,7 +150,9 @@ class AdaptiveDepth:
     explore: int = 2              # measurements each neighbour of the best depth gets first
     refresh: int = 50             # then every refresh-th visit of a cell re-measures one
     hysteresis: float = 0.03      # relative gain a switch away from the last depth needs
-    min_context: int = 64         # smallest context bucket
+    min_context: int = 256        # smallest context bucket: below it the KV a step reads is
+                                  # small next to its weights, so short contexts share a cell
+                                  # (and are explored once, not once per 64 tokens)
 
     def __post_init__(self):
         if self.prior_strength <= 0 or not 0 < self.decay <= 1 or self.window < 1:
