@@ -288,7 +288,10 @@ def _checked(src, e: Entry) -> np.ndarray:
     host = src.get(e.name)
     if not (np.issubdtype(host.dtype, np.floating) or host.dtype in (jnp.bfloat16, quant.FP8)):
         raise CheckpointError(f"tensor '{e.name}': stored dtype {host.dtype} is not a float")
-    return host
+    # A copy in memory, one tensor at a time: a memory-mapped view handed to jax.device_put
+    # on the CPU backend is aliased, not copied, and dangles (a segfault) once the file's
+    # mapping closes (tests/test_loader.py).
+    return np.array(host)
 
 
 def _scale(src, e: Entry, scheme: quant.Scheme) -> tuple[np.ndarray, tuple[int, int]]:
@@ -297,7 +300,7 @@ def _scale(src, e: Entry, scheme: quant.Scheme) -> tuple[np.ndarray, tuple[int, 
     if len(shape) != 2:
         raise CheckpointError(f"tensor '{e.name}': FP8 is only supported for 2-D weights, got "
                               f"shape {shape}")
-    s = np.asarray(src.get(e.scale))
+    s = np.array(src.get(e.scale))          # a copy, not the mapped view (see _checked)
     want = scheme.scale_shape(shape)
     if scheme.strategy == "tensor" and s.size == 1:
         s = s.reshape(1, 1)

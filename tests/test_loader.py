@@ -163,3 +163,42 @@ def test_bad_dtype_and_tokens_are_rejected(ckpt):
         mtpjax.forward_logits(cfg, params, np.zeros((3,), np.int32))
     with pytest.raises(ValueError, match="at least 2"):
         mtpjax.mtp_logits(cfg, params, np.zeros((1, 1), np.int32))
+
+
+def test_loaded_params_do_not_alias_the_checkpoint_file(tmp_path, monkeypatch):
+    """The reader memory-maps the file, and jax.device_put on the CPU backend aliases a numpy
+    buffer it can (an aligned one) instead of copying it: a leaf built from a mapped view
+    would change when the file changes and outlive nothing but the mapping. Every host array
+    the loader places must own its memory, and overwriting the file after loading must leave
+    the params as loaded."""
+    import gc
+    import mmap
+    from mtpjax import tensor_parallel
+
+    def mapped(a):
+        while a is not None:
+            if isinstance(a, (np.memmap, mmap.mmap)):
+                return True
+            a = getattr(a, "base", None)
+        return False
+
+    placed = []
+    real = tensor_parallel.place_leaf
+    monkeypatch.setattr(tensor_parallel, "place_leaf",
+                        lambda cfg, mesh, path, host: placed.append(mapped(host)) or
+                        real(cfg, mesh, path, host))
+    path = str(tmp_path / "ckpt")
+    hx.write_checkpoint(path, seed=3)
+    cfg, params = mtpjax.load_checkpoint(path, "float32")
+    assert placed and not any(placed), f"{sum(placed)} of {len(placed)} leaves are mapped views"
+    before = [np.array(x) for x in jax.tree.leaves(params)]
+    for name in os.listdir(path):
+        if name.endswith(".safetensors"):
+            f = os.path.join(path, name)
+            size = os.path.getsize(f)
+            with open(f, "r+b") as fh:
+                fh.seek(size // 2)
+                fh.write(b"\x7f" * (size - size // 2))
+    gc.collect()
+    for a, b in zip(before, [np.array(x) for x in jax.tree.leaves(params)]):
+        np.testing.assert_array_equal(a, b)
