@@ -62,3 +62,16 @@ def pytest_report_header(config):
 @pytest.fixture(scope="session", autouse=True)
 def _record_jax_backend(record_testsuite_property):
     record_testsuite_property("jax_backend", _backend())
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _release_compiled_programs():
+    """Drop every compiled program after each test module. One pytest process compiles a few
+    thousand XLA programs, and each CPU executable keeps memory mappings for its code: the
+    suite ran into the kernel's per-process limit (vm.max_map_count, 65530), and XLA's CPU
+    compiler segfaulted mid-suite in whatever test compiled next (here test_judge). Modules
+    share few programs, so recompiling those costs little."""
+    yield
+    jax.clear_caches()
+    import gc
+    gc.collect()
