@@ -18,9 +18,8 @@ d = 0 on an engine with K = 0 is the stock engine):
   3. rollback: n_pend = a + 1 (GDN replays only the accepted prefix next step; KV entries past
      P+a are dead and get overwritten)
   4. MTP re-run over the accepted positions P..P+a with the TRUE target hidden states
-     (overwriting the MTP KV written while drafting: model.mtp_fill_kv at every accepted
-     pair, the MTP layer itself only at P+a, whose output drafts), then d-1 chained MTP steps
-     -> the next step's d drafts
+     (overwriting the MTP KV written while drafting), then d-1 chained MTP steps -> the next
+     step's d drafts
 
 KV lives in the paged pool (model.PagedKV); every program takes the page table of the lanes it
 runs (i32[B, pages_per_lane], the same for all layers and the MTP) and the host must have
@@ -252,13 +251,8 @@ def _decode_body(cfg: Config, params: Params, cache: Cache, state: LaneState, la
         nt = jnp.maximum(out, 0)
         seg_acc = Segment(state.pos, jnp.where(active, n_acc + 1, 0), page_table)
         if k > 0:
-            # the MTP KV of every accepted pair, then the MTP layer at the last one only (its
-            # output is all the drafts need): one token per lane through the layer, not k+1
-            cache = model.mtp_fill_kv(cfg, params, cache, h, nt, seg_acc)
-            h_mtp, cache = model.mtp_forward(
-                cfg, params, cache, h[rows, n_acc][:, None], nt[rows, n_acc][:, None],
-                Segment(state.pos + n_acc, active.astype(jnp.int32), page_table), kernels)
-            hm_last = h_mtp[:, 0]
+            h_mtp, cache = model.mtp_forward(cfg, params, cache, h, nt, seg_acc, kernels)
+            hm_last = h_mtp[rows, n_acc]
             d1 = model.argmax_tokens(cfg, params, hm_last)
             drafts, cache = draft_chain(cfg, params, cache, hm_last, d1, state.pos + n_acc,
                                         active, page_table, k, kernels)
