@@ -244,33 +244,99 @@ class Engine:
             params = [params] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling params for {len(prompts)} prompts")
-        sched = Scheduler(self.alloc, k=self.k, max_seq_len=self.max_seq_len,
-                          prefill_chunk=self.prefill_chunk, policy=self.policy,
-                          on_token=on_token)
-        errors: dict[int, RequestOutput] = {}
-        for i, (p, sp) in enumerate(zip(prompts, params)):
-            err = self._validate(p, sp, sched)
-            if err:
-                errors[i] = RequestOutput(p, [], FINISH_ERROR, err, RequestStats())
-            else:
-                stops = frozenset(sp.stop_token_ids) | frozenset(self.eos)
-                sched.add(Request(i, p, sp, stops,
-                                  stats=RequestStats.for_depth(self.k)))
-        self._sched = sched
+        self.start(on_token)
+        outs: dict[int, RequestOutput] = {}
         try:
-            while sched.has_work():
-                t0 = time.perf_counter()
-                plan = sched.schedule()
-                self.timing["host_s"] += time.perf_counter() - t0
-                self._run(sched, plan)
+            for i, (p, sp) in enumerate(zip(prompts, params)):
+                err = self.submit(i, p, sp)
+                if err is not None:
+                    outs[i] = err
+            while self.has_work():
+                outs.update(self.step())
         finally:
-            sched.abort()
-            self.preemptions += sched.preemptions
-            self._sched = None
-        return [errors[i] if i in errors else sched.finished[i] for i in range(len(prompts))]
+            self.stop()
+        return [outs[i] for i in range(len(prompts))]
+
+    # ---------------------------------------------------------------- continuous session
+    def start(self, on_token: Callable[[int, list[int]], None] | None = None) -> None:
+        """Open a continuous session: `submit` adds requests at any time, each `step` runs one
+        scheduler iteration (admission, at most one prefill chunk, one decode step) over
+        everything submitted so far, `stop` ends the session. `generate` is start, submit
+        all, step until done, stop; an online server (mtpjax/online.py) keeps one session
+        open and submits as requests arrive. on_token(request_id, new_ids) streams tokens.
+        submit/step/stop must be called from one thread; `cancel` may come from any."""
+        if self._sched is not None:
+            raise RuntimeError("a session is already running on this engine (generate() or "
+                               "start() without stop())")
+        self._sched = Scheduler(self.alloc, k=self.k, max_seq_len=self.max_seq_len,
+                                prefill_chunk=self.prefill_chunk, policy=self.policy,
+                                on_token=on_token)
+
+    def _session(self) -> Scheduler:
+        if self._sched is None:
+            raise RuntimeError("no session: call engine.start() first")
+        return self._sched
+
+    def submit(self, request_id: int, prompt: Sequence[int],
+               params: SamplingParams = SamplingParams()) -> RequestOutput | None:
+        """Queue a request in the running session. request_id: a new int; lower ids are
+        senior (admitted first, preempted last). Returns None when queued, or the request's
+        final RequestOutput (finish_reason "error", the problem in .error) when it is invalid:
+        an invalid request never reaches the device or disturbs the others."""
+        sched = self._session()
+        request_id = int(request_id)
+        if request_id in sched.ids:
+            raise ValueError(f"request id {request_id} was already submitted in this session")
+        prompt = [int(t) for t in prompt]
+        err = self._validate(prompt, params, sched)
+        if err:
+            sched.ids.add(request_id)
+            return RequestOutput(prompt, [], FINISH_ERROR, err, RequestStats())
+        stops = frozenset(params.stop_token_ids) | frozenset(self.eos)
+        sched.add(Request(request_id, prompt, params, stops,
+                          stats=RequestStats.for_depth(self.k)))
+        return None
+
+    def has_work(self) -> bool:
+        """Whether the session has requests queued or running."""
+        return self._sched is not None and self._sched.has_work()
+
+    def step(self) -> dict[int, RequestOutput]:
+        """One scheduler iteration of the session; returns the requests that ended in it
+        (finished, stopped, cancelled), by id."""
+        sched = self._session()
+        if sched.has_work():
+            t0 = time.perf_counter()
+            plan = sched.schedule()
+            self.timing["host_s"] += time.perf_counter() - t0
+            try:
+                self._run(sched, plan)
+            except BaseException:
+                self.stop()
+                raise
+        done, sched.finished = sched.finished, {}
+        return done
+
+    def stop(self) -> dict[int, RequestOutput]:
+        """End the session: requests still queued or running end "cancelled" (with the
+        tokens they have) and every lane's pages return to the pool."""
+        sched = self._sched
+        if sched is None:
+            return {}
+        for b, ln in enumerate(sched.lanes):
+            if ln is not None:
+                sched._finish(b, FINISH_CANCELLED)
+        for req in sched.queue:
+            sched._record(req, FINISH_CANCELLED)
+        sched.queue.clear()
+        sched.abort()
+        self.preemptions += sched.preemptions
+        self._sched = None
+        return sched.finished
 
     def cancel(self, request_id: int) -> None:
-        """Cancel request `request_id` (an index into the running generate call's prompts)."""
+        """Cancel a request of the running session (generate: an index into its prompts); it
+        ends with finish_reason "cancelled" and the tokens streamed so far. Thread-safe."""
         if self._sched is not None:
             self._sched.cancel(request_id)
 

@@ -184,6 +184,7 @@ class Scheduler:
         self.queue: list[Request] = []          # sorted by id
         self.finished: dict[int, RequestOutput] = {}
         self.cancelled: set[int] = set()
+        self.ids: set[int] = set()              # every request id submitted (unique)
         self.preemptions = 0
         self.step = 0
 
@@ -199,6 +200,7 @@ class Scheduler:
                          self.alloc.page_size)
 
     def add(self, req: Request) -> None:
+        self.ids.add(req.id)
         bisect.insort(self.queue, req, key=lambda r: r.id)
 
     def cancel(self, request_id: int) -> None:
