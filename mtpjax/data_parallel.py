@@ -26,7 +26,7 @@ from mtpjax.sampling import SamplingParams
 
 # stats() fields that add up over replicas
 _SUMMED = ("free_pages", "total_pages", "preemptions", "max_lanes", "steps", "plain_steps",
-           "prefill_chunks", "lane_moves", "compiled_programs")
+           "prefill_chunks", "lane_moves", "compiled_programs", "cached_pages")
 
 
 class DataParallelEngine:
@@ -135,6 +135,12 @@ class DataParallelEngine:
         """Totals over the replicas, and each replica's own stats under "replicas"."""
         per = [e.stats() for e in self.replicas]
         total = {key: sum(s[key] for s in per) for key in _SUMMED}
+        pcs = [s["prefix_cache"] for s in per if s.get("prefix_cache")]
+        if pcs:     # counts add up; the rates are recomputed from them
+            pc = {key: sum(p[key] for p in pcs) for key in pcs[0]}
+            pc["hit_rate"] = pc["hits"] / pc["lookups"] if pc["lookups"] else 0.0
+            pc.pop("reused_fraction", None)
+            total["prefix_cache"] = pc
         return {**total, **self.timing, "dp": self.dp, "tp": self.tp, "kernels": self.kernels,
                 "num_speculative_tokens": self.k, "max_seq_len": self.max_seq_len,
                 "page_size": per[0]["page_size"], "depth_steps": self.depth_steps,

@@ -39,12 +39,13 @@ import numpy as np
 
 from jax.sharding import NamedSharding, PartitionSpec
 
-from mtpjax import model, quant, steps, tensor_parallel
+from mtpjax import model, quant, snapshots, steps, tensor_parallel
 from mtpjax.config import Config
 from mtpjax.depth import AdaptiveDepth
 from mtpjax.gdn import check_kernels
 from mtpjax.kv_pool import OutOfPagesError, PageAllocator, pages_for
 from mtpjax.params import Params
+from mtpjax.prefix_cache import PrefixCache
 from mtpjax.sampling import LaneSampling, SamplingParams
 from mtpjax.scheduler import (FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP,
                               Plan, Policy, PrefillWork, Request, RequestOutput, RequestStats,
@@ -96,6 +97,12 @@ class Engine:
       scheduler.Policy.
     prefill_buckets: padded chunk lengths, one prefill program each (default 8, 16, ...,
       prefill_chunk); the largest must be prefill_chunk.
+    prefix_cache: reuse cached prompt prefixes (KV pages + GDN snapshots, see
+      mtpjax/prefix_cache.py), across requests and generate calls; output is the same with
+      it on or off. prefix_snapshots: the snapshot slots on the device (default
+      min(max(2 * max_lanes, 4), 32)); each live snapshot is also charged its size in pool
+      pages. snapshot_every_blocks: a snapshot every this many pages of a prompt (plus one at
+      the last full page before the prompt's end).
     """
 
     def __init__(self, cfg: Config, params: Params, *, num_speculative_tokens: int = 0,
@@ -104,7 +111,9 @@ class Engine:
                  page_size: int = 16, num_pages: int | None = None,
                  speculation_policy: Policy | str | None = None,
                  prefill_buckets: Sequence[int] | None = None,
-                 tp: int = 1, devices: Sequence | None = None, mesh=None):
+                 tp: int = 1, devices: Sequence | None = None, mesh=None,
+                 prefix_cache: bool = True, prefix_snapshots: int | None = None,
+                 snapshot_every_blocks: int = 4):
         k = int(num_speculative_tokens)
         if k < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
@@ -166,6 +175,22 @@ class Engine:
         self.cache = tensor_parallel.init_paged_cache(cfg, mesh, max_lanes, num_pages,
                                                       page_size, k + 1, self.dtype)
         self.state = steps.LaneState.empty(max_lanes, k)
+        if snapshot_every_blocks < 1:
+            raise ValueError(f"snapshot_every_blocks must be >= 1, got {snapshot_every_blocks}")
+        self.every_blocks = int(snapshot_every_blocks)
+        self.prefix: PrefixCache | None = None
+        self.snaps = None
+        if prefix_cache:
+            slots = (min(max(2 * max_lanes, 4), 32) if prefix_snapshots is None
+                     else int(prefix_snapshots))
+            if slots < 1:
+                raise ValueError(f"prefix_snapshots must be >= 1, got {slots}")
+            snap_b = snapshots.snapshot_bytes(cfg, self.dtype)
+            page_b = sum(x.nbytes for kv in self.cache.kv for x in (kv.k, kv.v)) // num_pages
+            self.snaps = snapshots.init_snapshots(cfg, mesh, slots, self.dtype)
+            self.prefix = PrefixCache(self.alloc, num_slots=slots,
+                                      snapshot_pages=-(-snap_b // max(page_b, 1)),
+                                      snapshot_bytes=snap_b, every_blocks=self.every_blocks)
         if mesh is not None:
             self.state = jax.device_put(self.state, NamedSharding(mesh, PartitionSpec()))
         self.timing = {"prefill_s": 0.0, "step_s": 0.0, "host_s": 0.0, "steps": 0,
@@ -270,7 +295,7 @@ class Engine:
                                "start() without stop())")
         self._sched = Scheduler(self.alloc, k=self.k, max_seq_len=self.max_seq_len,
                                 prefill_chunk=self.prefill_chunk, policy=self.policy,
-                                on_token=on_token)
+                                on_token=on_token, prefix_cache=self.prefix)
 
     def _session(self) -> Scheduler:
         if self._sched is None:
@@ -357,11 +382,18 @@ class Engine:
             self.cache, self.state = steps.move_lane(self.cache, self.state, jnp.int32(src),
                                                      jnp.int32(dst), mesh=self.mesh)
             self.timing["lane_moves"] += 1
+        for lane, slot in plan.restores:      # prefix hits: GDN state at the cached boundary
+            self.cache, self.snaps = snapshots.restore(self.cache, self.snaps, jnp.int32(lane),
+                                                       jnp.int32(slot), mesh=self.mesh)
         if plan.prefill is not None:
             t0 = time.perf_counter()
             first = self._prefill(plan.prefill, self._lane_sampling(sched))
+            slot = sched.prefill_done(plan.prefill, first)
+            if slot is not None:              # a snapshot boundary the prefix cache took
+                self.cache, self.snaps = snapshots.save(
+                    self.cache, self.snaps, jnp.int32(plan.prefill.lane), jnp.int32(slot),
+                    mesh=self.mesh)
             t1 = time.perf_counter()
-            sched.prefill_done(plan.prefill, first)
             self.timing["prefill_s"] += t1 - t0
             self.timing["host_s"] += time.perf_counter() - t1
         if plan.decode:
@@ -406,6 +438,13 @@ class Engine:
         self.timing["prefill_chunks"] += 1
         return int(first) if w.is_last else None
 
+    def clear_prefix_cache(self) -> None:
+        """Drop every cached prefix (pages and snapshots return to the pool)."""
+        if self._sched is not None and self._sched.has_work():
+            raise RuntimeError("clear_prefix_cache() needs an idle engine")
+        if self.prefix is not None:
+            self.prefix.clear()
+
     def reset_timing(self, keys=None) -> None:
         """Zero the step timers and counters (all, or `keys`), e.g. between timed passes;
         resetting all also zeroes the per-depth step counts."""
@@ -445,7 +484,9 @@ class Engine:
     def stats(self) -> dict:
         return {"compiled_programs": len(self._programs),
                 "programs": sorted(self._programs),
-                "free_pages": self.alloc.free_pages, "total_pages": self.num_pages,
+                "free_pages": self.alloc.available, "total_pages": self.num_pages,
+                "cached_pages": self.alloc.held_pages,
+                "prefix_cache": None if self.prefix is None else self.prefix.report(),
                 "page_size": self.page_size, "pages_per_lane": self.pages_per_lane,
                 "preemptions": self.preemptions, "max_lanes": self.max_lanes,
                 "max_seq_len": self.max_seq_len, "num_speculative_tokens": self.k,

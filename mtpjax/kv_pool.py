@@ -14,8 +14,14 @@ naming the lane and entry. Inside a program nothing can raise, so the kernels ad
 rows that need a page id outside the pool come out NaN (pallas_kernels.paged_attention).
 
 Pages are allocated incrementally as a sequence grows (`reserve(lane, n_tokens)` makes sure
-positions [0, n_tokens) have pages) and all freed at once when the lane's request ends or is
-preempted (`free(lane)`). Freed pages go on top of a LIFO free list, so page tables become
+positions [0, n_tokens) have pages) and all released at once when the lane's request ends or is
+preempted (`free(lane)`). Pages are reference counted for the prefix cache
+(mtpjax/prefix_cache.py): a cache entry `hold`s the pages of a prompt prefix, a request that
+hits it `share`s them (its table starts with them; it never writes below the prefix), and a
+page returns to the free list when its last holder lets go. Held pages are "frozen": only they
+may appear in several lanes' tables. When the free list is short, `reserve` first asks the
+cache to evict (`reclaimer`), so cached pages give way before any request is preempted;
+`available` counts free pages plus those the cache could give back. Freed pages go on top of a LIFO free list, so page tables become
 scrambled permutations of the pool after a little churn (the kernels must not care).
 
 How many tokens a step touches is the caller's business; `tokens_touched_*` below are the rules
@@ -46,11 +52,12 @@ class CorruptPageTableError(ValueError):
                          f"{what}")
 
 
-def validate_page_table(table: np.ndarray, owned, num_pages: int) -> None:
+def validate_page_table(table: np.ndarray, owned, num_pages: int, shared=None) -> None:
     """Host-side check of a page table i32[lanes, pages_per_lane] against what each lane owns.
 
     Lane b owns entries [0, owned[b]): each must be a page id in [0, num_pages), and no page
-    may appear twice in the whole table; every entry past them must be `num_pages` (the
+    may appear twice in the whole table (except pages marked in `shared`, bool[num_pages]: the
+    prefix cache's read-only pages); every entry past them must be `num_pages` (the
     sentinel whose writes are dropped). Raises CorruptPageTableError for the first violation.
     Vectorised: a few microseconds for an engine's table, cheap enough for every step.
     """
@@ -70,8 +77,11 @@ def validate_page_table(table: np.ndarray, owned, num_pages: int) -> None:
                                     f"only the sentinel {num_pages} may stand")
     ids = table[own]
     counts = np.bincount(ids, minlength=num_pages)
-    if (counts > 1).any():
-        page = int(np.flatnonzero(counts > 1)[0])
+    dup = counts > 1
+    if shared is not None:
+        dup &= ~np.asarray(shared)
+    if dup.any():
+        page = int(np.flatnonzero(dup)[0])
         holders = [tuple(map(int, x)) for x in np.argwhere(own & (table == page))]
         (b, j), (b0, j0) = holders[-1], holders[0]
         raise CorruptPageTableError(b, j, page, f"also held by lane {b0} entry {j0}")
@@ -109,17 +119,40 @@ class PageAllocator:
         self._table = np.full((max_lanes, pages_per_lane), num_pages, np.int32)
         self._owned = [0] * max_lanes              # pages held by each lane (a table prefix)
         self._free = list(range(num_pages - 1, -1, -1))   # pop() hands out 0, 1, 2, ... first
+        self._refs = np.zeros(num_pages, np.int32)      # holders: lane tables + cache holds
+        self._held = np.zeros(num_pages, np.int32)      # holds by the prefix cache
+        self._frozen = np.zeros(num_pages, bool)        # read-only (published to the cache)
+        # set by the prefix cache: reclaimer(n) evicts until n pages are free (or nothing is
+        # left to evict); reclaimable() = pages evicting everything would free
+        self.reclaimer = None
+        self.reclaimable = lambda: 0
 
     @property
     def table(self) -> np.ndarray:
         """The page table i32[max_lanes, pages_per_lane], validated on every read
         (`validate_page_table`): what the engine sends to the device is never corrupt."""
-        validate_page_table(self._table, self._owned, self.num_pages)
+        validate_page_table(self._table, self._owned, self.num_pages, self._frozen)
         return self._table
 
     @property
     def free_pages(self) -> int:
+        """Pages on the free list."""
         return len(self._free)
+
+    @property
+    def available(self) -> int:
+        """Pages a request can get now: free, or held only by the prefix cache (evicted on
+        demand by `reserve`)."""
+        return len(self._free) + self.reclaimable()
+
+    @property
+    def held_pages(self) -> int:
+        """Pages the prefix cache holds (some may be shared with lanes)."""
+        return int((self._held > 0).sum())
+
+    def cache_only(self) -> np.ndarray:
+        """bool[num_pages]: pages held by the prefix cache and by no lane."""
+        return (self._held > 0) & (self._refs == self._held)
 
     @property
     def used_pages(self) -> int:
@@ -141,26 +174,91 @@ class PageAllocator:
         return max(want - self._owned[lane], 0)
 
     def can_reserve(self, lane: int, n_tokens: int) -> bool:
-        return self.needed(lane, n_tokens) <= len(self._free)
+        return self.needed(lane, n_tokens) <= self.available
+
+    def _ensure_free(self, n: int) -> None:
+        if n > len(self._free) and self.reclaimer is not None:
+            self.reclaimer(n)
+
+    def _pop(self) -> int:
+        p = self._free.pop()
+        self._refs[p] = 1
+        return p
+
+    def _release(self, pages) -> None:
+        for p in pages:
+            p = int(p)
+            self._refs[p] -= 1
+            if self._refs[p] == 0:
+                self._frozen[p] = False
+                self._free.append(p)
 
     def reserve(self, lane: int, n_tokens: int) -> int:
         """Allocate pages so that lane positions [0, n_tokens) are covered; returns how many
-        pages were added. Raises OutOfPagesError (and allocates nothing) when short."""
+        pages were added (evicting cached pages first when the free list is short). Raises
+        OutOfPagesError (and allocates nothing) when short."""
         need = self.needed(lane, n_tokens)
+        self._ensure_free(need)
         if need > len(self._free):
             raise OutOfPagesError(lane, need, len(self._free), self.num_pages, self.page_size)
         for _ in range(need):
-            self._table[lane, self._owned[lane]] = self._free.pop()
+            self._table[lane, self._owned[lane]] = self._pop()
             self._owned[lane] += 1
         return need
 
     def free(self, lane: int) -> int:
-        """Return all of the lane's pages to the pool; returns how many."""
+        """Let go of all of the lane's pages (each returns to the pool unless the prefix cache
+        or another lane still holds it); returns how many the lane held."""
         n = self._owned[lane]
-        self._free.extend(int(p) for p in self._table[lane, :n][::-1])
+        self._release(self._table[lane, :n][::-1])
         self._table[lane] = self.num_pages
         self._owned[lane] = 0
         return n
+
+    # ---------------------------------------------------------------- prefix cache
+    def lane_pages(self, lane: int) -> list[int]:
+        return [int(p) for p in self._table[lane, :self._owned[lane]]]
+
+    def share(self, lane: int, pages) -> None:
+        """Start the empty lane's table with cached (held) pages: a prefix hit."""
+        pages = [int(p) for p in pages]
+        if self._owned[lane]:
+            raise ValueError(f"lane {lane} already holds {self._owned[lane]} pages")
+        if len(pages) > self.pages_per_lane:
+            raise ValueError(f"{len(pages)} shared pages exceed the per-lane table")
+        if not all(self._frozen[p] for p in pages):
+            raise ValueError("only pages held by the prefix cache can be shared")
+        self._table[lane, :len(pages)] = pages
+        self._owned[lane] = len(pages)
+        self._refs[pages] += 1
+
+    def hold(self, pages) -> None:
+        """The prefix cache keeps these (owned) pages; they become read-only (frozen)."""
+        for p in pages:
+            if self._refs[p] < 1:
+                raise ValueError(f"page {p} is free: only pages in use can be held")
+            self._refs[p] += 1
+            self._held[p] += 1
+            self._frozen[p] = True
+
+    def take(self, n: int) -> list[int] | None:
+        """n pages held by the cache outside any table (what a snapshot costs), evicting cached
+        pages when short; None (nothing taken) when the pool cannot give them."""
+        self._ensure_free(n)
+        if n > len(self._free):
+            return None
+        pages = [self._pop() for _ in range(n)]
+        self._held[pages] += 1
+        self._frozen[pages] = True
+        return pages
+
+    def unhold(self, pages) -> None:
+        """The prefix cache lets go of pages it held (hold or take)."""
+        for p in pages:
+            if self._held[p] < 1:
+                raise ValueError(f"page {p} is not held by the cache")
+            self._held[p] -= 1
+        self._release(pages)
 
     def move(self, src: int, dst: int) -> None:
         """Hand lane src's pages (and table row) to the empty lane dst (lane compaction)."""
@@ -174,11 +272,16 @@ class PageAllocator:
         return np.array(sorted(self._free), np.int32)
 
     def check(self) -> None:
-        """Invariants (tests): the table is valid (`validate_page_table`) and every page is
-        either free or owned by exactly one lane."""
-        validate_page_table(self._table, self._owned, self.num_pages)
+        """Invariants (tests): the table is valid (`validate_page_table`); every page's
+        reference count is its table entries plus its cache holds; the free list holds
+        exactly the pages nobody holds, once each."""
+        validate_page_table(self._table, self._owned, self.num_pages, self._frozen)
         owned = [int(p) for b in range(self.max_lanes) for p in self._table[b, :self._owned[b]]]
-        allp = owned + list(self._free)
-        if sorted(allp) != list(range(self.num_pages)):
-            raise AssertionError(f"page accounting broken: owned {sorted(owned)}, "
-                                 f"free {sorted(self._free)}")
+        uses = np.bincount(np.asarray(owned, np.int64), minlength=self.num_pages) + self._held
+        if (uses != self._refs).any():
+            p = int(np.flatnonzero(uses != self._refs)[0])
+            raise AssertionError(f"page accounting broken: page {p} has {self._refs[p]} "
+                                 f"references, {uses[p]} holders")
+        if sorted(self._free) != [int(p) for p in np.flatnonzero(self._refs == 0)]:
+            raise AssertionError(f"page accounting broken: free list {sorted(self._free)}, "
+                                 f"unreferenced {np.flatnonzero(self._refs == 0).tolist()}")

@@ -8,9 +8,15 @@ iteration, runs the plan's programs, and reports the tokens back:
      pages of their whole prefill on top of what running lanes still need (their unfinished
      prefill and every decoding lane's next depth-0 step: draft slots only use pages that are
      free, see _promised).
+     With a prefix cache (mtpjax/prefix_cache.py) an admitted request first looks up its
+     longest cached prefix: on a hit its page table starts with the cached (shared, read-only)
+     pages, its prefill starts at the boundary, and the plan restores the boundary's GDN
+     snapshot into its lane (Plan.restores). Cached pages count as available: they are
+     evicted (LRU) before any request is preempted.
   2b. compaction: the highest busy lanes move into the lowest free ones (Plan.moves), so the
      busy lanes are always 0..n-1 and a decode step's lane bucket holds no idle lane.
-  3. work: at most one prefill chunk (the oldest lane still prefilling) plus one decode step
+  3. work: at most one prefill chunk (the oldest lane still prefilling; with a prefix cache
+     chunks end at its snapshot boundaries, see _chunk_end) plus one decode step
      over every lane that finished its prefill. A lane in prefill is idle in the decode step.
   4. draft depth: `policy(view)` picks the step's depth d in 0..K from a `StepView` (the
      decoding lanes with their drafts and acceptance so far, the lane bucket, the deepest
@@ -35,6 +41,7 @@ import dataclasses
 from typing import Callable, Protocol
 
 from mtpjax.kv_pool import PageAllocator, pages_for, tokens_touched_decode, tokens_touched_prefill
+from mtpjax.prefix_cache import PrefixCache, next_boundary, snapshot_boundaries
 from mtpjax.sampling import SamplingParams
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ERROR, FINISH_CANCELLED = "stop", "length", "error", "cancelled"
@@ -91,6 +98,7 @@ class Lane:
     prefilled: int = 0        # tokens of seq already prefilled
     pos: int = -1             # decode: absolute position of the last emitted token
     drafts: int = 0           # real drafts the lane holds for its next step (0..K)
+    restore: int | None = None   # prefix hit: snapshot slot to load before its next prefill
 
     @property
     def prefilling(self) -> bool:
@@ -114,6 +122,7 @@ class Plan:
     preempted: tuple[int, ...] = ()   # request ids preempted while planning
     moves: tuple[tuple[int, int], ...] = ()   # (src, dst) lane moves to apply first (compaction)
     view: "StepView | None" = None    # what the policy saw (lanes in decode order)
+    restores: tuple[tuple[int, int], ...] = ()   # (lane, snapshot slot): after moves, first
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,9 +184,12 @@ class Scheduler:
 
     def __init__(self, alloc: PageAllocator, *, k: int, max_seq_len: int, prefill_chunk: int,
                  policy: Policy | None = None,
-                 on_token: Callable[[int, list[int]], None] | None = None):
+                 on_token: Callable[[int, list[int]], None] | None = None,
+                 prefix_cache: PrefixCache | None = None):
         self.alloc, self.k, self.max_seq_len = alloc, k, max_seq_len
         self.chunk = prefill_chunk
+        self.cache = prefix_cache
+        self.every_blocks = prefix_cache.every_blocks if prefix_cache is not None else 0
         self.policy = policy or SpeculationPolicy()
         self.on_token = on_token
         self.lanes: list[Lane | None] = [None] * alloc.max_lanes
@@ -215,10 +227,20 @@ class Scheduler:
         return sorted((b for b, ln in enumerate(self.lanes) if ln is not None),
                       key=lambda b: self.lanes[b].req.id)
 
+    def _chunk_end(self, ln: Lane) -> int:
+        """End of the lane's next prefill chunk: chunk tokens on, and with a prefix cache cut
+        at the next snapshot boundary (prefix_cache.snapshot_boundaries), where the engine
+        saves the GDN state."""
+        end = min(ln.prefilled + self.chunk, len(ln.seq))
+        if self.cache is None:
+            return end
+        return min(end, next_boundary(ln.prefilled, len(ln.seq), self.alloc.page_size,
+                                      self.every_blocks))
+
     def _prefill_tokens(self, ln: Lane, is_last_only: bool = False) -> int:
         if is_last_only:
             return tokens_touched_prefill(len(ln.seq), True, self.k)
-        end = min(ln.prefilled + self.chunk, len(ln.seq))
+        end = self._chunk_end(ln)
         return tokens_touched_prefill(end, end == len(ln.seq), self.k)
 
     def _promised(self) -> int:
@@ -239,11 +261,21 @@ class Scheduler:
         while self.queue and None in self.lanes:
             req = self.queue[0]
             seq = req.prompt + req.out
-            need = pages_for(tokens_touched_prefill(len(seq), True, self.k), self.alloc.page_size)
-            if self.alloc.free_pages - self._promised() < need:
+            lane = self.lanes.index(None)
+            hit = self.cache.lookup(seq) if self.cache is not None else None
+            if hit is not None:
+                self.alloc.share(lane, hit.pages)
+            need = self.alloc.needed(lane, tokens_touched_prefill(len(seq), True, self.k))
+            if self.alloc.available - self._promised() < need:
+                self.alloc.free(lane)
                 return
             self.queue.pop(0)
-            self.lanes[self.lanes.index(None)] = Lane(req, seq)
+            ln = Lane(req, seq)
+            if self.cache is not None:
+                self.cache.admitted(len(seq), hit)
+            if hit is not None:
+                ln.prefilled, ln.restore = hit.length, hit.slot
+            self.lanes[lane] = ln
 
     def _preempt(self, lane: int) -> int:
         ln = self.lanes[lane]
@@ -272,7 +304,7 @@ class Scheduler:
 
         def fits(d: int) -> bool:
             return pre_need + sum(self.alloc.needed(b, tokens_touched_decode(
-                self.lanes[b].pos, d)) for b in decode) <= self.alloc.free_pages
+                self.lanes[b].pos, d)) for b in decode) <= self.alloc.available
         max_depth = next((d for d in range(self.k, -1, -1) if fits(d)), 0)
         view = None
         k = 0
@@ -312,10 +344,16 @@ class Scheduler:
         work = None
         if pre is not None:
             ln = self.lanes[pre]
-            s, e = ln.prefilled, min(ln.prefilled + self.chunk, len(ln.seq))
+            s, e = ln.prefilled, self._chunk_end(ln)
             work = PrefillWork(pre, s, ln.seq[s:e], ln.seq[s + 1:e + 1], e == len(ln.seq))
+        restores = []
+        for b, ln in enumerate(self.lanes):
+            if ln is not None and ln.restore is not None:
+                restores.append((b, ln.restore))
+                ln.restore = None
         self.step += 1
-        return Plan(work, tuple(decode), k if decode else 0, tuple(preempted), moves, view)
+        return Plan(work, tuple(decode), k if decode else 0, tuple(preempted), moves, view,
+                    tuple(restores))
 
     def _compact(self) -> tuple[tuple[int, int], ...]:
         """Move the highest busy lanes into the lowest free ones, so that the busy lanes are
@@ -333,13 +371,20 @@ class Scheduler:
         return tuple(moves)
 
     # ---------------------------------------------------------------- results
-    def prefill_done(self, work: PrefillWork, first_token: int | None) -> None:
+    def prefill_done(self, work: PrefillWork, first_token: int | None) -> int | None:
+        """Record a prefill chunk. Returns the snapshot slot to save the lane's GDN state into
+        when the chunk ended at a snapshot boundary the prefix cache took, else None."""
         ln = self.lanes[work.lane]
         ln.prefilled = work.start + len(work.tokens)
         if work.is_last:
             ln.pos = len(ln.seq)
             ln.drafts = self.k             # the prefill drafts K (steps.prefill_chunk)
             self._emit(work.lane, [int(first_token)])
+            return None
+        if self.cache is not None and ln.prefilled in snapshot_boundaries(
+                len(ln.seq), self.alloc.page_size, self.every_blocks):
+            return self.cache.insert(ln.seq, ln.prefilled, work.lane)
+        return None
 
     def decode_done(self, lane: int, tokens: list[int], n_accepted: int, k: int) -> None:
         ln = self.lanes[lane]

@@ -342,3 +342,68 @@ class TextEngine:
                     tuple(sp.stop_token_ids) + extra))) if isinstance(sp, SamplingParams) else sp
                  for sp in plist]
         return self.generate(prompts, plist, on_text=on_text, on_token=on_token)
+
+
+# ---------------------------------------------------------------------------- reasoning split
+def _held_prefix(text: str, marker: str) -> int:
+    """Length of the longest suffix of text that is a proper prefix of marker: text that may
+    still become the marker once more arrives, so a stream must hold it back."""
+    for n in range(min(len(marker) - 1, len(text)), 0, -1):
+        if text.endswith(marker[:n]):
+            return n
+    return 0
+
+
+class ReasoningStream:
+    """Splits generated text into (reasoning, content) as it streams, as vLLM's qwen3
+    reasoning parser does for Qwen3.5, whose generation prompt already opens `<think>`:
+
+    * thinking on: everything before the first `</think>` is reasoning (a `<think>` the model
+      writes itself at the very start is dropped), everything after it is content; output
+      without `</think>` (cut by max_tokens) is all reasoning;
+    * thinking off (the prompt closed an empty think block): everything is content.
+
+    `push(piece)` returns the (reasoning, content) text that became final; text that may be
+    the start of a marker split across pieces is held back until it is decided, so the
+    concatenated deltas equal `split_reasoning` of the whole text.
+    """
+
+    def __init__(self, enable_thinking: bool = True):
+        self.in_reasoning = bool(enable_thinking)
+        self._buf = ""
+        self._at_start = True   # nothing released yet: a leading <think> is still possible
+
+    def push(self, piece: str) -> tuple[str, str]:
+        if not self.in_reasoning:
+            return "", piece
+        self._buf += piece
+        if self._at_start:
+            if THINK_START.startswith(self._buf):       # maybe the start of a leading <think>
+                return "", ""
+            if self._buf.startswith(THINK_START):
+                self._buf = self._buf[len(THINK_START):]
+            self._at_start = False
+        if THINK_END in self._buf:
+            reasoning, _, content = self._buf.partition(THINK_END)
+            self._buf, self.in_reasoning = "", False
+            return reasoning, content
+        hold = _held_prefix(self._buf, THINK_END)
+        out, self._buf = self._buf[:len(self._buf) - hold], self._buf[len(self._buf) - hold:]
+        if out:
+            self._at_start = False
+        return out, ""
+
+    def flush(self) -> tuple[str, str]:
+        """At the end of the output: what is held back was reasoning after all."""
+        out, self._buf = self._buf, ""
+        return (out, "") if self.in_reasoning else ("", out)
+
+
+def split_reasoning(text: str, enable_thinking: bool = True) -> tuple[str | None, str | None]:
+    """(reasoning, content) of a whole generated text, None for a part that is empty (as the
+    OpenAI fields `reasoning_content` and `content` are null when absent); see
+    `ReasoningStream` for the rule."""
+    s = ReasoningStream(enable_thinking)
+    r1, c1 = s.push(text)
+    r2, c2 = s.flush()
+    return (r1 + r2) or None, (c1 + c2) or None

@@ -38,7 +38,10 @@ def test_requests_submitted_mid_run_match_generate():
     for i, w in enumerate(want):
         assert done[100 + i].token_ids == w, i
         assert streamed[100 + i] == w, i
+    assert e.stats()["free_pages"] == e.num_pages      # free or only cached
+    e.clear_prefix_cache()
     assert e.alloc.free_pages == e.num_pages
+    e.alloc.check()
 
 
 def test_bad_submit_errors_and_stop_cancels():
@@ -53,6 +56,7 @@ def test_bad_submit_errors_and_stop_cancels():
     e.step()
     left = e.stop()
     assert left[1].finish_reason == "cancelled"
+    e.clear_prefix_cache()
     assert e.alloc.free_pages == e.num_pages
     with pytest.raises(RuntimeError, match="no session"):
         e.step()

@@ -1,0 +1,197 @@
+"""Prefix cache for the hybrid model: KV pages plus Gated DeltaNet snapshots, host side.
+
+A full-attention engine can reuse any cached KV page whose tokens match. Qwen3.5's 48 Gated
+DeltaNet layers have no per-token cache: their recurrent state and conv tail at position L
+summarise the whole prefix, so a prefix is reusable only where that state was saved. An entry
+is therefore a *boundary* L (a multiple of the page size) with:
+
+  - the pages of positions [0, L): full-attention KV and MTP KV (one page id serves every
+    layer), held by reference count in the page pool (kv_pool.PageAllocator.hold);
+  - a snapshot slot: every GDN layer's recurrent state and conv tail after position L-1
+    (mtpjax/snapshots.py holds them on the device);
+  - its key: the tokens [0, L] -- one past the boundary. The MTP KV at position L-1 is made
+    from the target's hidden state at L-1 AND the embedding of token L (spec §5.3), so the
+    last cached page is right only for requests whose token L matches too. A hit needs the
+    request to have token L anyway: the prefill after the hit starts at L and must feed at
+    least one token to sample the first output.
+
+Keys are a hash chain over page-sized blocks (block i's hash covers blocks 0..i), plus token
+L; a hit compares the stored tokens too, so a hash collision can never serve wrong state.
+
+Where snapshots are taken (`snapshot_boundaries`): every `every_blocks`-th block boundary, and
+the last full block before the end of each prompt (the boundary a follow-up turn, which
+extends the prompt, hits). The scheduler ends prefill chunks at these boundaries, and after
+such a chunk the engine saves the lane's GDN state into the entry's slot.
+
+Budget: pages and snapshots count against the page pool. A snapshot is charged
+`snapshot_pages` pool pages (its bytes over a page's bytes, rounded up; `PageAllocator.take`),
+so cached state and running requests share one budget. Entries are evicted LRU when a slot or
+pages are needed; a running request's pages are never evicted (the request holds its own
+references), only the cache's hold on them. Eviction frees an entry's snapshot slot at once:
+a request that hit it has already copied the snapshot into its lane (the restore runs before
+any later save can reuse the slot).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from mtpjax.kv_pool import PageAllocator
+
+
+def snapshot_boundaries(n: int, page_size: int, every_blocks: int) -> list[int]:
+    """Boundaries L (sorted) of a sequence of n tokens where a snapshot is taken: multiples
+    of every_blocks * page_size, and the last multiple of page_size, all with 0 < L < n (a
+    boundary needs the token at L: it is part of the key, and a hit prefills from it)."""
+    step = every_blocks * page_size
+    out = set(range(step, n, step))
+    last = (n - 1) // page_size * page_size
+    if last > 0:
+        out.add(last)
+    return sorted(out)
+
+
+def next_boundary(prefilled: int, n: int, page_size: int, every_blocks: int) -> int:
+    """Where the prefill chunk starting at `prefilled` must end at the latest: the next
+    snapshot boundary after it, or n."""
+    return next((b for b in snapshot_boundaries(n, page_size, every_blocks) if b > prefilled), n)
+
+
+def block_hashes(tokens, page_size: int) -> list[int]:
+    """Hash chain over the full page-sized blocks of `tokens`: entry i covers blocks 0..i."""
+    out, h = [], 0
+    for i in range(len(tokens) // page_size):
+        h = hash((h, tuple(tokens[i * page_size:(i + 1) * page_size])))
+        out.append(h)
+    return out
+
+
+@dataclasses.dataclass(eq=False)
+class Entry:
+    length: int                  # L: the prefix [0, L) is cached
+    tokens: tuple[int, ...]      # tokens [0, L]: the prefix and the token after it (the key)
+    pages: tuple[int, ...]       # page ids of positions [0, L)
+    slot: int                    # snapshot slot on the device
+    charge: tuple[int, ...]      # pool pages the snapshot is charged
+
+
+@dataclasses.dataclass
+class PrefixCacheStats:
+    lookups: int = 0             # admissions that looked the cache up
+    hits: int = 0
+    lookup_tokens: int = 0       # prompt tokens of those admissions
+    tokens_reused: int = 0       # prompt tokens whose prefill hits skipped
+    inserted: int = 0
+    evicted: int = 0
+
+
+class PrefixCache:
+    """Entries (boundary -> pages + snapshot slot), LRU, on top of a PageAllocator.
+
+    num_slots: snapshot slots on the device; snapshot_pages: pool pages one snapshot is
+    charged; every_blocks: the periodic snapshot stride in blocks (pages)."""
+
+    def __init__(self, alloc: PageAllocator, *, num_slots: int, snapshot_pages: int,
+                 snapshot_bytes: int = 0, every_blocks: int = 4):
+        if num_slots < 1:
+            raise ValueError(f"the prefix cache needs at least one snapshot slot, got {num_slots}")
+        if every_blocks < 1:
+            raise ValueError(f"every_blocks must be >= 1, got {every_blocks}")
+        self.alloc, self.page_size = alloc, alloc.page_size
+        self.num_slots, self.snapshot_pages = num_slots, snapshot_pages
+        self.snapshot_bytes, self.every_blocks = snapshot_bytes, every_blocks
+        self.entries: collections.OrderedDict[tuple, Entry] = collections.OrderedDict()  # LRU first
+        self.free_slots = list(range(num_slots - 1, -1, -1))
+        self.stats = PrefixCacheStats()
+        alloc.reclaimer, alloc.reclaimable = self._reclaim, self.reclaimable
+
+    # ---------------------------------------------------------------- lookup
+    def _key(self, hashes: list[int], tokens, L: int) -> tuple:
+        return (hashes[L // self.page_size - 1], int(tokens[L]))
+
+    def lookup(self, tokens) -> Entry | None:
+        """The longest cached prefix of `tokens` that leaves at least one token to prefill
+        (L < len(tokens)), or None; touches the entry (LRU). `admitted` counts it."""
+        n = len(tokens)
+        if n < 2 or not self.entries:
+            return None
+        hashes = block_hashes(tokens[:n - 1], self.page_size)
+        for L in range(len(hashes) * self.page_size, 0, -self.page_size):
+            e = self.entries.get(self._key(hashes, tokens, L))
+            if e is not None and e.tokens == tuple(tokens[:L + 1]):
+                self.entries.move_to_end(self._key(hashes, tokens, L))
+                return e
+        return None
+
+    def admitted(self, n_tokens: int, hit: Entry | None) -> None:
+        """Count an admission of a sequence of n_tokens that looked the cache up."""
+        self.stats.lookups += 1
+        self.stats.lookup_tokens += n_tokens
+        if hit is not None:
+            self.stats.hits += 1
+            self.stats.tokens_reused += hit.length
+
+    # ---------------------------------------------------------------- insert / evict
+    def insert(self, tokens, L: int, lane: int) -> int | None:
+        """Cache the prefix [0, L) that `lane` has just prefilled (its pages cover it; token L
+        is known). Returns the snapshot slot the engine must save the lane's GDN state into,
+        or None (already cached: touched; or the pool cannot give the snapshot's pages)."""
+        if L <= 0 or L % self.page_size or L >= len(tokens):
+            raise ValueError(f"a boundary must be a positive multiple of {self.page_size} "
+                             f"below the sequence length {len(tokens)}, got {L}")
+        hashes = block_hashes(tokens[:L], self.page_size)
+        key = self._key(hashes, tokens, L)
+        if key in self.entries:
+            self.entries.move_to_end(key)
+            return None
+        pages = self.alloc.lane_pages(lane)[:L // self.page_size]
+        if len(pages) < L // self.page_size:
+            raise ValueError(f"lane {lane} holds {len(pages)} pages, the prefix needs "
+                             f"{L // self.page_size}")
+        self.alloc.hold(pages)              # first: eviction below must not free them
+        if not self.free_slots:
+            self._evict_lru()
+        charge = self.alloc.take(self.snapshot_pages) if self.free_slots else None
+        if charge is None:
+            self.alloc.unhold(pages)
+            return None
+        slot = self.free_slots.pop()
+        self.entries[key] = Entry(L, tuple(int(t) for t in tokens[:L + 1]), tuple(pages),
+                                  slot, tuple(charge))
+        self.stats.inserted += 1
+        return slot
+
+    def _evict_lru(self) -> bool:
+        if not self.entries:
+            return False
+        _, e = self.entries.popitem(last=False)
+        self.alloc.unhold(e.pages + e.charge)
+        self.free_slots.append(e.slot)
+        self.stats.evicted += 1
+        return True
+
+    def _reclaim(self, n: int) -> None:
+        """Evict LRU entries until n pages are free or nothing is cached."""
+        while self.alloc.free_pages < n and self._evict_lru():
+            pass
+
+    def reclaimable(self) -> int:
+        """Pages that evicting every entry would free (held by the cache and no lane)."""
+        return int(self.alloc.cache_only().sum()) if self.entries else 0
+
+    def clear(self) -> None:
+        while self._evict_lru():
+            pass
+
+    # ---------------------------------------------------------------- report
+    def report(self) -> dict:
+        s = self.stats
+        return {"lookups": s.lookups, "hits": s.hits,
+                "hit_rate": s.hits / s.lookups if s.lookups else 0.0,
+                "tokens_reused": s.tokens_reused,
+                "reused_fraction": s.tokens_reused / s.lookup_tokens if s.lookup_tokens else 0.0,
+                "snapshots": len(self.entries), "snapshot_slots": self.num_slots,
+                "snapshot_bytes": len(self.entries) * self.snapshot_bytes,
+                "cached_pages": self.alloc.held_pages,
+                "inserted": s.inserted, "evicted": s.evicted}
