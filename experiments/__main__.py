@@ -20,7 +20,7 @@ import sys
 from absl import app, flags
 
 COMMANDS = ("judge", "generate", "bench", "convert", "train_tiny", "gpu_check", "aot", "speed",
-            "mesh")
+            "mesh", "serve", "serve_bench")
 DEFAULT = "judge"
 CACHE_OFF_BY_DEFAULT = ("aot",)   # it measures compile time
 CACHE_ENV = "MTPJAX_COMPILATION_CACHE_DIR"
