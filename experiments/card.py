@@ -61,6 +61,9 @@ def render_md(c: dict) -> str:
     if c.get("draft_verify_ms"):
         dv = c["draft_verify_ms"]
         lines.append(f"- split at batch {dv['batch']}: draft {dv['draft_ms']:.2f} ms, verify forward {dv['verify_ms']:.2f} ms, decode forward {dv['decode_ms']:.2f} ms")
+    if c.get("chat"):
+        from experiments.chat_workload import render_md as render_chat_md
+        lines += render_chat_md(c["chat"])
     if c.get("fp8"):
         lines += [""] + render_fp8_md(c["fp8"])
     return "\n".join(lines) + "\n"

@@ -42,6 +42,7 @@ from absl import flags
 
 import mtpjax
 from experiments import card as card_lib
+from experiments import chat_workload
 from experiments import judge_gate as gate
 from experiments import mesh_flags, weight_flags
 from mtpjax import model, quant, steps
@@ -94,6 +95,13 @@ flags.DEFINE_integer("fidelity_lanes", 16, "lanes of the fidelity engines (texts
 flags.DEFINE_float("greedy_agreement_floor", None, "optional gate floor")
 flags.DEFINE_integer("seed", 0, "base seed of sampled requests")
 flags.DEFINE_bool("progress", True, "show a progress bar")
+flags.DEFINE_bool("prefix_cache", True, "both engines reuse cached prompt prefixes (each timed "
+                  "pass starts from an empty cache)")
+flags.DEFINE_bool("chat", True, "also run the chat workload (multi-turn conversations on a "
+                  "shared system prompt; reported beside SpecScore)")
+flags.DEFINE_integer("chat_conversations", 8, "conversations of the chat workload")
+flags.DEFINE_integer("chat_turns", 3, "turns per conversation")
+flags.DEFINE_integer("chat_system_tokens", 64, "shared system prompt length (tokens)")
 
 
 @dataclasses.dataclass
@@ -128,6 +136,8 @@ class JudgeConfig:
     limits: gate.Limits = gate.Limits()
     tp: int = 1                 # stock and candidate on the same tp x dp devices
     dp: int = 1
+    prefix_cache: bool = True   # both engines; every timed pass starts from an empty cache
+    chat: chat_workload.ChatSpec | None = None   # the chat workload (None: not run)
 
 
 def _from_flags() -> JudgeConfig:
@@ -143,6 +153,9 @@ def _from_flags() -> JudgeConfig:
         temperature=f.temperature, sample_temperature=f.sample_temperature,
         gate_prompts=f.gate_prompts, fidelity_tokens=f.fidelity_tokens,
         fidelity_lanes=f.fidelity_lanes, seed=f.seed, progress=f.progress, tp=f.tp, dp=f.dp,
+        prefix_cache=f.prefix_cache,
+        chat=(chat_workload.ChatSpec(f.chat_conversations, f.chat_turns, f.chat_system_tokens)
+              if f.chat else None),
         limits=gate.Limits(f.greedy_agreement_floor, f.likelihood_bound, f.argmax_bound,
                            f.fidelity_ceiling, f.length_margin, f.memory_slack_mib,
                            f.busy_page_use_floor))
@@ -204,7 +217,8 @@ def make_engine(cfg, params, jc: JudgeConfig, k: int, lanes: int, num_pages: int
                               num_speculative_tokens=k,
                               speculation_policy=candidate_policy(jc, k), max_lanes=lanes,
                               max_seq_len=max_seq_len, kernels=jc.kernels,
-                              page_size=jc.page_size, num_pages=num_pages)
+                              page_size=jc.page_size, num_pages=num_pages,
+                              prefix_cache=jc.prefix_cache)
 
 
 MEMORY_HOW = ("each engine's own phase: peak bytes of the live device arrays its run holds "
@@ -292,6 +306,9 @@ def timed_generate(engine, prompts, params):
             if full <= len(started) < len(prompts):
                 waiting.append(util[-1])
 
+    clear = getattr(engine, "clear_prefix_cache", None)
+    if clear is not None:      # a pass's prompts never hit what an earlier pass cached
+        clear()
     engine.reset_timing(("prefill_s", "step_s", "host_s", "steps"))
     depth_before = list(engine.depth_steps)
     t0 = time.perf_counter()
@@ -699,6 +716,12 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
         for kk in (0, k):
             engines[(w, kk)] = make_engine(cfg, params, jc, kk, lanes, pool[w], max_seq_len,
                                            placed=placed)
+    if jc.chat is not None:
+        chat_system, chat_users = chat_workload.build(texts, jc.chat)
+        for kk in (0, k):
+            engines[("chat", kk)] = make_engine(
+                cfg, params, jc, kk, jc.team_lanes, None,
+                chat_workload.max_seq_len(jc.chat, jc.max_new_tokens), placed=placed)
     warmup = warm_engines(engines)   # before any pass: no depth switch compiles while timed
     kernels = engines[(jc.workloads[0], 0)].kernels
     gate_w = "team" if "team" in plans else jc.workloads[0]
@@ -716,7 +739,7 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
         del heads, other
         fp8["wall_s"] += time.perf_counter() - t_fp8
 
-    total = len(plans) * 2 * (1 + jc.passes) + 3
+    total = (len(plans) + (jc.chat is not None)) * 2 * (1 + jc.passes) + 3
     bar = tqdm(total=total, desc="judge", disable=not jc.progress, leave=False)
     results = {w: {"stock": [], "candidate": []} for w in plans}
     warm, policy = {}, {}
@@ -732,6 +755,22 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
                 results[w]["stock" if kk == 0 else "candidate"].append(r)
                 bar.update(1)
         policy[w] = policy_report(engines[(w, k)])   # before the gate runs add to it
+    chat = None
+    if jc.chat is not None:
+        chat_params = workload_params(jc, jc.chat.conversations)
+        chat_runs = {0: [], k: []}
+        for kk in (0, k):                                  # untimed: depth costs, caches
+            chat_workload.run_pass(engines[("chat", kk)], chat_system, chat_users, chat_params)
+            bar.update(1)
+        for p in range(jc.passes):
+            for kk in ((0, k) if p % 2 == 0 else (k, 0)):
+                chat_runs[kk].append(chat_workload.run_pass(
+                    engines[("chat", kk)], chat_system, chat_users, chat_params))
+                bar.update(1)
+        chat = chat_workload.summarize(chat_runs[0], chat_runs[k], jc.chat, jc.team_lanes)
+        chat["greedy_agreement"] = (gate.greedy_agreement(
+            [o.token_ids for o in chat_runs[k][0]["outs"]],
+            [o.token_ids for o in chat_runs[0][0]["outs"]]) if jc.temperature == 0.0 else None)
 
     # ---- gate: sampled replies (likelihood, argmax, sampled agreement) on the team engines
     sp = [SamplingParams(temperature=jc.sample_temperature, max_new_tokens=jc.max_new_tokens,
@@ -826,6 +865,7 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
         "draft_verify_ms": draft_verify,
         "page_utilization": util,
         "fp8": fp8,
+        "chat": chat,
         "settings": {
             "checkpoint": os.path.abspath(jc.checkpoint), "dtype": jc.dtype, "k": k,
             "num_speculative_tokens": k, "adaptive": jc.adaptive,
@@ -836,7 +876,7 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
             "temperature": jc.temperature, "sample_temperature": jc.sample_temperature,
             "lanes": {w: plans[w][0] for w in plans}, "requests": {w: len(plans[w][1]) for w in plans},
             "page_size": jc.page_size, "busy_pages": pool.get("busy"),
-            "tp": jc.tp, "dp": jc.dp,
+            "tp": jc.tp, "dp": jc.dp, "prefix_cache": jc.prefix_cache,
             "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
             "versions": {"jax": jax.__version__, "python": platform.python_version()},
             "compiled_programs": {f"{w}/k={kk}": e.stats().get("compiled_programs")
