@@ -190,7 +190,8 @@ class Engine:
             self.snaps = snapshots.init_snapshots(cfg, mesh, slots, self.dtype)
             self.prefix = PrefixCache(self.alloc, num_slots=slots,
                                       snapshot_pages=-(-snap_b // max(page_b, 1)),
-                                      snapshot_bytes=snap_b, every_blocks=self.every_blocks)
+                                      snapshot_bytes=snap_b, every_blocks=self.every_blocks,
+                                      next_token_in_key=k > 0)
         if mesh is not None:
             self.state = jax.device_put(self.state, NamedSharding(mesh, PartitionSpec()))
         self.timing = {"prefill_s": 0.0, "step_s": 0.0, "host_s": 0.0, "steps": 0,

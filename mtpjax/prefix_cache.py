@@ -16,7 +16,11 @@ is therefore a *boundary* L (a multiple of the page size) with:
     least one token to sample the first output.
 
 Keys are a hash chain over page-sized blocks (block i's hash covers blocks 0..i), plus token
-L; a hit compares the stored tokens too, so a hash collision can never serve wrong state.
+L; a hit compares the stored tokens too, so a hash collision can never serve wrong state. An
+engine without speculation writes no MTP KV, and its keys leave token L out
+(`next_token_in_key=False`). The cost of the extra token: requests that share a prefix ending
+exactly at a boundary but differ right after it reuse only up to the previous boundary (each
+such variant caches its own entry at the boundary when it prefills).
 
 Where snapshots are taken (`snapshot_boundaries`): every `every_blocks`-th block boundary, and
 the last full block before the end of each prompt (the boundary a follow-up turn, which
@@ -70,7 +74,8 @@ def block_hashes(tokens, page_size: int) -> list[int]:
 @dataclasses.dataclass(eq=False)
 class Entry:
     length: int                  # L: the prefix [0, L) is cached
-    tokens: tuple[int, ...]      # tokens [0, L]: the prefix and the token after it (the key)
+    tokens: tuple[int, ...]      # tokens [0, L] (the prefix and the token after it), or
+                                 # [0, L) when next tokens are not keyed
     pages: tuple[int, ...]       # page ids of positions [0, L)
     slot: int                    # snapshot slot on the device
     charge: tuple[int, ...]      # pool pages the snapshot is charged
@@ -93,7 +98,7 @@ class PrefixCache:
     charged; every_blocks: the periodic snapshot stride in blocks (pages)."""
 
     def __init__(self, alloc: PageAllocator, *, num_slots: int, snapshot_pages: int,
-                 snapshot_bytes: int = 0, every_blocks: int = 4):
+                 snapshot_bytes: int = 0, every_blocks: int = 4, next_token_in_key: bool = True):
         if num_slots < 1:
             raise ValueError(f"the prefix cache needs at least one snapshot slot, got {num_slots}")
         if every_blocks < 1:
@@ -101,6 +106,7 @@ class PrefixCache:
         self.alloc, self.page_size = alloc, alloc.page_size
         self.num_slots, self.snapshot_pages = num_slots, snapshot_pages
         self.snapshot_bytes, self.every_blocks = snapshot_bytes, every_blocks
+        self.extra = int(next_token_in_key)      # key tokens past the boundary: 1 or 0
         self.entries: collections.OrderedDict[tuple, Entry] = collections.OrderedDict()  # LRU first
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.stats = PrefixCacheStats()
@@ -108,7 +114,7 @@ class PrefixCache:
 
     # ---------------------------------------------------------------- lookup
     def _key(self, hashes: list[int], tokens, L: int) -> tuple:
-        return (hashes[L // self.page_size - 1], int(tokens[L]))
+        return (hashes[L // self.page_size - 1],) + tuple(int(t) for t in tokens[L:L + self.extra])
 
     def lookup(self, tokens) -> Entry | None:
         """The longest cached prefix of `tokens` that leaves at least one token to prefill
@@ -119,7 +125,7 @@ class PrefixCache:
         hashes = block_hashes(tokens[:n - 1], self.page_size)
         for L in range(len(hashes) * self.page_size, 0, -self.page_size):
             e = self.entries.get(self._key(hashes, tokens, L))
-            if e is not None and e.tokens == tuple(tokens[:L + 1]):
+            if e is not None and e.tokens == tuple(tokens[:L + self.extra]):
                 self.entries.move_to_end(self._key(hashes, tokens, L))
                 return e
         return None
@@ -157,7 +163,7 @@ class PrefixCache:
             self.alloc.unhold(pages)
             return None
         slot = self.free_slots.pop()
-        self.entries[key] = Entry(L, tuple(int(t) for t in tokens[:L + 1]), tuple(pages),
+        self.entries[key] = Entry(L, tuple(int(t) for t in tokens[:L + self.extra]), tuple(pages),
                                   slot, tuple(charge))
         self.stats.inserted += 1
         return slot

@@ -265,3 +265,14 @@ def test_a_hit_restores_the_state_a_full_prefill_computes():
     for (s0, c0), (s1, c1) in zip(full, hit):
         np.testing.assert_allclose(s1, s0, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(c1, c0, rtol=1e-5, atol=1e-6)
+
+
+def test_without_speculation_the_next_token_is_not_part_of_the_key():
+    a = PageAllocator(20, 4, 3, 8)
+    c = PrefixCache(a, num_slots=2, snapshot_pages=1, every_blocks=2, next_token_in_key=False)
+    seq = list(range(1, 13))
+    a.reserve(0, 12)
+    c.insert(seq, 8, 0)
+    a.free(0)
+    assert c.lookup(seq[:8] + [99, 5]).length == 8            # no MTP KV depends on token 8
+    assert c.lookup(seq[:7] + [99, 5]) is None
