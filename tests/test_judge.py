@@ -27,6 +27,9 @@ SMALL = dict(passes=1, solo_requests=2, team_lanes=2, team_requests=4, busy_lane
 # The smallest judge run (one workload): for checks that need an engine run, not the ratios.
 TINY = dict(SMALL, workloads=("solo",), solo_requests=1, gate_prompts=2, max_new_tokens=6,
             fidelity_tokens=2)
+# TINY with SMALL's reply and fidelity lengths: its engines have the shapes of the end-to-end
+# run's solo engines, so the runs that follow it in this module reuse its compiled programs.
+SOLO = dict(TINY, max_new_tokens=SMALL["max_new_tokens"], fidelity_tokens=SMALL["fidelity_tokens"])
 
 
 def test_interval_rule():
@@ -180,8 +183,7 @@ def test_judge_fixed_depth_runs_depth_k_only(peaky_ckpt, tmp_path):
     are never accepted, which the adaptive run turns down. Reuses the end-to-end test's
     programs (same K, lanes and shapes)."""
     jc = judge.JudgeConfig(checkpoint=peaky_ckpt, out_dir=str(tmp_path),
-                           **{**TINY, "adaptive": False, "max_new_tokens": 12,
-                              "fidelity_tokens": 8})
+                           **{**SOLO, "adaptive": False})
     card = judge.run_judge(jc)
     h = card["depth_hist"]["solo"]
     assert h[0] == 0 and h[1] == card["decode_steps"]["solo"]["candidate"] > 0, h
@@ -262,30 +264,6 @@ def test_random_mtp_head_keeps_shapes_and_the_target(peaky_ckpt):
                for a, b in zip(new, jax.tree.leaves(again.mtp)))
 
 
-def _always_accept(real_verify):
-    """The classic broken sampler: every draft is accepted without checking it."""
-    def verify(target_logits, drafts, lanes, first_position):
-        K = drafts.shape[1]
-        last = sampling.sample(target_logits[:, K], lanes, first_position + K)
-        tokens = jnp.concatenate([drafts, last[:, None]], axis=1)
-        return jnp.full((drafts.shape[0],), K, jnp.int32), tokens
-    return verify
-
-
-def test_judge_fails_a_candidate_whose_sampler_always_accepts(peaky_ckpt, tmp_path, monkeypatch):
-    monkeypatch.setattr(sampling, "verify", _always_accept(sampling.verify))
-    jax.clear_caches()   # the step programs must be traced again with the broken sampler
-    try:
-        jc = judge.JudgeConfig(checkpoint=peaky_ckpt, out_dir=str(tmp_path), **SMALL)
-        card = judge.run_judge(jc)
-    finally:
-        monkeypatch.undo()
-        jax.clear_caches()
-    assert card["reason"] == "likelihood", (card["reason"], card["likelihood"], card["argmax"])
-    assert card["score"] == 0.0
-    assert card["sampled_agreement"] < 0.9 and card["greedy_agreement"] < 1.0
-
-
 # ------------------------------------------------------------------------------- memory
 
 class _FakeGpu:
@@ -302,8 +280,8 @@ class _FakeGpu:
         return {"peak_bytes_in_use": 1 << 30, "bytes_in_use": 1 << 29}
 
 
-def _run_tiny(ckpt, tmp_path, **over):
-    jc = judge.JudgeConfig(checkpoint=ckpt, out_dir=str(tmp_path), **{**TINY, **over})
+def _run_solo(ckpt, tmp_path, **over):
+    jc = judge.JudgeConfig(checkpoint=ckpt, out_dir=str(tmp_path), **{**SOLO, **over})
     return judge.run_judge(jc)
 
 
@@ -319,7 +297,7 @@ def test_memory_check_fails_a_candidate_with_a_much_bigger_pool_on_a_gpu(peaky_c
                          placed=placed)
 
     monkeypatch.setattr(judge, "make_engine", make_engine)
-    card = _run_tiny(peaky_ckpt, tmp_path, limits=gate.Limits(memory_slack_mib=8.0))
+    card = _run_solo(peaky_ckpt, tmp_path, limits=gate.Limits(memory_slack_mib=8.0))
     m = card["memory"]
     assert card["checks"]["memory"] is False and card["reason"] == "memory", m
     assert m["peak_mib"] > m["stock_peak_mib"] + 24, m
@@ -345,7 +323,7 @@ def test_memory_check_counts_what_the_candidates_run_allocates(peaky_ckpt, tmp_p
                    num_pages=num_pages)
 
     monkeypatch.setattr(judge, "make_engine", make_engine)
-    card = _run_tiny(peaky_ckpt, tmp_path, limits=gate.Limits(memory_slack_mib=8.0))
+    card = _run_solo(peaky_ckpt, tmp_path, limits=gate.Limits(memory_slack_mib=8.0))
     m = card["memory"]
     assert card["reason"] == "memory", m
     assert 31 < m["peak_mib"] - m["stock_peak_mib"] < 40, m
@@ -379,6 +357,36 @@ def test_fidelity_goes_through_the_engines_paged_verify_path(peaky_ckpt, monkeyp
         monkeypatch.undo()
         jax.clear_caches()
     assert broken > jc.limits.fidelity_ceiling, broken
+
+
+def _always_accept(real_verify):
+    """The classic broken sampler: every draft is accepted without checking it."""
+    def verify(target_logits, drafts, lanes, first_position):
+        K = drafts.shape[1]
+        last = sampling.sample(target_logits[:, K], lanes, first_position + K)
+        tokens = jnp.concatenate([drafts, last[:, None]], axis=1)
+        return jnp.full((drafts.shape[0],), K, jnp.int32), tokens
+    return verify
+
+
+def test_judge_fails_a_candidate_whose_sampler_always_accepts(peaky_ckpt, tmp_path, monkeypatch):
+    """The gate workload (team) alone: the sampled replies the likelihood check scores come
+    from it (the same engines, prompts and seeds as in a full run). The candidate runs the
+    fixed depth K, so every step goes through the broken sampler whatever step costs the
+    adaptive policy would measure, and the greedy replies must differ too. Runs after the
+    tests that share the end-to-end run's programs (it must drop them all)."""
+    monkeypatch.setattr(sampling, "verify", _always_accept(sampling.verify))
+    jax.clear_caches()   # the step programs must be traced again with the broken sampler
+    try:
+        jc = judge.JudgeConfig(checkpoint=peaky_ckpt, out_dir=str(tmp_path),
+                               **{**SMALL, "workloads": ("team",), "adaptive": False})
+        card = judge.run_judge(jc)
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()
+    assert card["reason"] == "likelihood", (card["reason"], card["likelihood"], card["argmax"])
+    assert card["score"] == 0.0
+    assert card["sampled_agreement"] < 0.9 and card["greedy_agreement"] < 1.0
 
 
 # ------------------------------------------------------------------------------- FP8
