@@ -64,7 +64,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
-from experiments import depth_sweep, mesh_flags, weight_flags
+from experiments import depth_sweep, mesh_flags, prefix_bench, weight_flags
 from mtpjax import model, quant, tensor_parallel
 from mtpjax.config import FULL, LINEAR, Config, qwen3_5_27b
 from mtpjax.params import Params, abstract_params, fp8_paths
@@ -102,10 +102,15 @@ flags.DEFINE_float("hbm_gbps", 4800.0, "device memory bandwidth in GB/s for the 
 flags.DEFINE_integer("seed", 0, "seed for synthetic weights and inputs")
 flags.DEFINE_string("out", "bench.json", "JSON results path ('' = do not write; with "
                     f"--sweep the default is {SWEEP_OUT})")
-flags.DEFINE_enum("sweep", "", ["", "lanes"],
+flags.DEFINE_enum("sweep", "", ["", "lanes", "prefix"],
                   "'lanes': instead of the step programs, whole-engine tokens/s against lanes "
                   "for fixed draft depths and the adaptive policy, one table "
                   "(experiments/depth_sweep.py; the --sweep_* flags)")
+flags.DEFINE_list("prefix_lens", ["100", "200", "400", "800"],
+                  "--sweep=prefix: shared prefix lengths (tokens), one table row each")
+flags.DEFINE_integer("prefix_suffix_tokens", 16, "--sweep=prefix: distinct tokens after the "
+                     "shared prefix")
+flags.DEFINE_integer("prefix_repeats", 3, "--sweep=prefix: timed requests per length and engine")
 flags.DEFINE_list("sweep_lanes", [str(x) for x in depth_sweep.DEFAULT_LANES],
                   "--sweep=lanes: lane counts (engine max_lanes), one table row each")
 flags.DEFINE_list("sweep_depths", [str(x) for x in depth_sweep.DEFAULT_DEPTHS],
@@ -655,9 +660,56 @@ def sweep_main(log) -> None:
     print(json.dumps(doc), flush=True)
 
 
+def prefix_main(log) -> None:
+    """--sweep=prefix: time to first token with the prefix cache off and on
+    (experiments/prefix_bench.py); one table + JSON."""
+    lens = [int(x) for x in FLAGS.prefix_lens]
+    if not lens or min(lens) < 1 or FLAGS.prefix_suffix_tokens < 1 or FLAGS.prefix_repeats < 1:
+        raise ValueError("--prefix_lens, --prefix_suffix_tokens and --prefix_repeats must be "
+                         "positive")
+    if FLAGS.tp * FLAGS.dp > 1:
+        raise ValueError("--sweep=prefix runs one engine on one device; drop --tp/--dp")
+    dtype, kernels = resolve_dtype(FLAGS.dtype), resolve_kernels(FLAGS.kernels)
+    out = FLAGS.out if FLAGS["out"].present else "runs/prefix_ttft.json"
+    info = device_info()
+    date = datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+    cfg, params, desc = build_model(FLAGS.checkpoint, FLAGS.synthetic, FLAGS.layers, dtype,
+                                    FLAGS.seed, FLAGS.weights, FLAGS.mtp_weights)
+    from mtpjax.text import Tokenizer
+    tok = Tokenizer.from_checkpoint(FLAGS.checkpoint)
+    need = max(lens) + (FLAGS.prefix_repeats + 2) * FLAGS.prefix_suffix_tokens
+    stream = [t for p in depth_sweep.heldout_prompts(tok, 64, 64, FLAGS.seed) for t in p]
+    while len(stream) < need:
+        stream = stream + stream
+    header = ["# bench --sweep=prefix: time to first token, prefix cache off vs on",
+              f"date: {date}", f"command: {command_line()}",
+              f"machine: {info['backend']} ({info['device_kind']}), "
+              f"{info.get('cpu_cores_available')} cores available, python {info['python']}, "
+              f"jax {info['jax']}",
+              f"model: {desc['source']} {desc['name']} ({desc['layers']} layers), dtype={dtype}, "
+              f"kernels={kernels}, K={FLAGS.num_speculative_tokens} draft slots"]
+    for line in header:
+        log(line)
+    res = prefix_bench.run_ttft_sweep(
+        cfg, params, stream, shared_lens=lens, suffix_tokens=FLAGS.prefix_suffix_tokens,
+        repeats=FLAGS.prefix_repeats, k=FLAGS.num_speculative_tokens, kernels=kernels,
+        page_size=FLAGS.page_size, log=log)
+    table = prefix_bench.format_table(res)
+    log("")
+    log(table)
+    doc = {"command": command_line(), "date": date, "device": info, "sweep": "prefix",
+           "model": {**desc, "dtype": dtype}, "kernels": kernels, **res, "table": table}
+    write_json(out, doc)
+    if out:
+        log(f"wrote {out}")
+    print(json.dumps(doc), flush=True)
+
+
 def main(argv):
     del argv
     log = partial(print, flush=True)
+    if FLAGS.sweep == "prefix":
+        return prefix_main(log)
     if FLAGS.sweep:
         return sweep_main(log)
     dtype, kernels = resolve_dtype(FLAGS.dtype), resolve_kernels(FLAGS.kernels)

@@ -99,10 +99,12 @@ class Engine:
       prefill_chunk); the largest must be prefill_chunk.
     prefix_cache: reuse cached prompt prefixes (KV pages + GDN snapshots, see
       mtpjax/prefix_cache.py), across requests and generate calls; output is the same with
-      it on or off. prefix_snapshots: the snapshot slots on the device (default
-      min(max(2 * max_lanes, 4), 32)); each live snapshot is also charged its size in pool
-      pages. snapshot_every_blocks: a snapshot every this many pages of a prompt (plus one at
-      the last full page before the prompt's end).
+      it on or off. Cached KV pages are pool pages that requests take back on demand (LRU).
+      prefix_snapshots: GDN snapshot slots, a fixed device allocation beside the pool
+      (default min(max(2 * max_lanes, 4), 32); stats()["prefix_cache"]["slot_bytes"]; 151 MB
+      each at 27B, so size num_pages and prefix_snapshots together within the memory budget).
+      snapshot_every_blocks: a snapshot every this many pages of a prompt (plus one at the
+      last full page before the prompt's end).
     """
 
     def __init__(self, cfg: Config, params: Params, *, num_speculative_tokens: int = 0,
@@ -186,10 +188,11 @@ class Engine:
             if slots < 1:
                 raise ValueError(f"prefix_snapshots must be >= 1, got {slots}")
             snap_b = snapshots.snapshot_bytes(cfg, self.dtype)
-            page_b = sum(x.nbytes for kv in self.cache.kv for x in (kv.k, kv.v)) // num_pages
             self.snaps = snapshots.init_snapshots(cfg, mesh, slots, self.dtype)
-            self.prefix = PrefixCache(self.alloc, num_slots=slots,
-                                      snapshot_pages=-(-snap_b // max(page_b, 1)),
+            # The slots are their own fixed allocation (slots x snap_b bytes, in stats()), so
+            # a snapshot is not also charged pool pages: cached KV pages are pool pages that
+            # requests take back on demand, and the cache never lowers request capacity.
+            self.prefix = PrefixCache(self.alloc, num_slots=slots, snapshot_pages=0,
                                       snapshot_bytes=snap_b, every_blocks=self.every_blocks,
                                       next_token_in_key=k > 0)
         if mesh is not None:

@@ -27,10 +27,13 @@ the last full block before the end of each prompt (the boundary a follow-up turn
 extends the prompt, hits). The scheduler ends prefill chunks at these boundaries, and after
 such a chunk the engine saves the lane's GDN state into the entry's slot.
 
-Budget: pages and snapshots count against the page pool. A snapshot is charged
-`snapshot_pages` pool pages (its bytes over a page's bytes, rounded up; `PageAllocator.take`),
-so cached state and running requests share one budget. Entries are evicted LRU when a slot or
-pages are needed; a running request's pages are never evicted (the request holds its own
+Budget: cached KV pages are pages of the request pool, which requests take back on demand
+(reclaim before preemption), so the cache never lowers request capacity. Snapshots live in a
+fixed number of device slots beside the pool (the engine's `prefix_snapshots`; their bytes are
+reported); `snapshot_pages` > 0 would also charge each live snapshot that many pool pages
+(`PageAllocator.take`), for a deployment that wants snapshots to compete with requests for
+one budget (the engine uses 0: its slots are allocated up front). Entries are evicted LRU
+when a slot or pages are needed; a running request's pages are never evicted (the request holds its own
 references), only the cache's hold on them. Eviction frees an entry's snapshot slot at once:
 a request that hit it has already copied the snapshot into its lane (the restore runs before
 any later save can reuse the slot).
@@ -199,5 +202,6 @@ class PrefixCache:
                 "reused_fraction": s.tokens_reused / s.lookup_tokens if s.lookup_tokens else 0.0,
                 "snapshots": len(self.entries), "snapshot_slots": self.num_slots,
                 "snapshot_bytes": len(self.entries) * self.snapshot_bytes,
+                "slot_bytes": self.num_slots * self.snapshot_bytes,
                 "cached_pages": self.alloc.held_pages,
                 "inserted": s.inserted, "evicted": s.evicted}
