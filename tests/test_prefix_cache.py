@@ -276,3 +276,23 @@ def test_without_speculation_the_next_token_is_not_part_of_the_key():
     a.free(0)
     assert c.lookup(seq[:8] + [99, 5]).length == 8            # no MTP KV depends on token 8
     assert c.lookup(seq[:7] + [99, 5]) is None
+
+
+def test_tensor_parallel_snapshots_restore_per_shard():
+    """The snapshot store is sharded like the GDN state (tp = 2 on host devices): a multi-turn
+    run with hits gives the one-device engine's tokens."""
+    from tiny_models import TP_CFG, TP_PARAMS
+    kw = dict(num_speculative_tokens=2, max_lanes=2, max_seq_len=64, prefill_chunk=8,
+              page_size=4, kernels="reference", snapshot_every_blocks=2)
+    rng = np.random.default_rng(11)
+    system = [int(t) for t in rng.integers(0, 13, 11)]
+    prompts = [system + [int(t) for t in rng.integers(0, 13, 3)] for _ in range(3)]
+    sp = SamplingParams(max_new_tokens=6)
+    outs = {}
+    for tp in (1, 2):
+        e = Engine(TP_CFG, TP_PARAMS, tp=tp, **kw)
+        first = e.generate(prompts, sp)
+        second = e.generate([p + o.token_ids + [1, 2] for p, o in zip(prompts, first)], sp)
+        outs[tp] = [o.token_ids for o in first + second]
+        assert e.stats()["prefix_cache"]["hits"] >= 3
+    assert outs[2] == outs[1]
