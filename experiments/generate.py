@@ -48,6 +48,8 @@ flags.DEFINE_integer("max_seq_len", 0, "context limit of the engine's cache; 0 =
                      "max_new_tokens")
 flags.DEFINE_string("kernels", None, "gdn/attention kernels (default: pallas on GPU, "
                     "reference elsewhere)")
+flags.DEFINE_boolean("prefix_cache", True, "reuse cached prompt prefixes (KV pages + GDN "
+                     "snapshots); with --warmup the timed run hits the warm-up's prefix")
 flags.DEFINE_boolean("skip_special_tokens", False, "leave special tokens out of the text")
 flags.DEFINE_boolean("warmup", False, "run the request once first so that the stats exclude "
                      "compilation")
@@ -88,7 +90,8 @@ def main(argv):
         path, FLAGS.dtype, FLAGS.num_speculative_tokens, tp=FLAGS.tp, dp=FLAGS.dp, max_lanes=1,
         max_seq_len=max_seq_len, kernels=FLAGS.kernels, weights=FLAGS.weights,
         mtp_weights=FLAGS.mtp_weights,
-        speculation_policy="adaptive" if FLAGS.adaptive else "fixed")
+        speculation_policy="adaptive" if FLAGS.adaptive else "fixed",
+        prefix_cache=FLAGS.prefix_cache)
     text_engine = TextEngine(engine, tok, skip_special_tokens=FLAGS.skip_special_tokens)
     print(f"[load] {path}: {cfg.num_layers} layers, vocab {cfg.vocab_size}, "
           f"{FLAGS.dtype}, weights={FLAGS.weights}, k={engine.k}, kernels={engine.kernels}, tp={FLAGS.tp}, "
