@@ -563,6 +563,19 @@ async def _completion_chunks(handle, req: ParsedRequest, head: dict):
 
 
 # ------------------------------------------------------------------------------ main
+def warm_prefill(engine) -> int:
+    """Compile the prefill program of every chunk bucket (a one-token request whose prompt
+    fills the bucket; distinct first tokens so no prompt hits another's cached prefix), then
+    drop what the prefix cache kept. Returns how many buckets ran."""
+    from mtpjax.sampling import SamplingParams
+    lengths = [b for b in engine.chunk_buckets if b < engine.max_seq_len]
+    engine.generate([[i % engine.cfg.vocab_size] * b for i, b in enumerate(lengths)],
+                    SamplingParams(max_new_tokens=1))
+    if hasattr(engine, "clear_prefix_cache"):
+        engine.clear_prefix_cache()
+    return len(lengths)
+
+
 def load_server(flag_values=FLAGS) -> Server:
     """Tokenizer, engine and a started OnlineEngine from the flags."""
     import mtpjax
@@ -593,8 +606,8 @@ def load_server(flag_values=FLAGS) -> Server:
                          f"{cfg.vocab_size}")
     if f.warmup:
         t0 = time.perf_counter()
-        n = engine.warmup()
-        print(f"[serve] warmup: {n} decode programs in {time.perf_counter() - t0:.1f}s",
+        n = engine.warmup() + warm_prefill(engine)
+        print(f"[serve] warmup: {n} programs in {time.perf_counter() - t0:.1f}s",
               file=sys.stderr, flush=True)
     name = f.served_model_name or os.path.basename(os.path.normpath(path))
     online = OnlineEngine(engine, tok).start()

@@ -1,0 +1,191 @@
+"""`python -m experiments serve_bench [--concurrency=1,8,32] [--max_tokens=64] [serve flags]`
+
+Load test of the OpenAI-compatible server (`experiments/serve.py`): starts it as a subprocess
+on a free port with the given serve flags (`--serve_flags="--max_lanes=8 ..."`), waits until
+it is healthy, warms it (one round at the highest concurrency, unmeasured), then for each
+concurrency c runs `--rounds` x c streaming chat requests from c client threads (each client
+sends its next request when the previous one ends) and reports:
+
+    requests/s = requests / wall time, tokens/s = completion tokens (usage) / wall time,
+    mean time to first token, mean request latency
+
+Every request has its own seed and temperature 0.8; prompts differ per request. The client is
+the standard library (http.client, SSE parsed by hand), so the bench needs nothing beyond the
+server's own dependencies. Writes `--out` (card.json) and prints it as the last stdout line.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shlex
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+
+from absl import flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("concurrency", ["1", "8", "32"], "concurrent clients per measurement")
+flags.DEFINE_integer("rounds", 2, "requests per client per measurement")
+flags.DEFINE_integer("max_tokens", 64, "max_tokens of every request")
+flags.DEFINE_string("serve_flags", "", "extra flags for `python -m experiments serve`")
+flags.DEFINE_string("out", "runs/serve_bench/card.json", "where to write the results")
+flags.DEFINE_float("startup_timeout_s", 1800.0, "how long the server may take to come up "
+                   "(warmup compiles every decode program)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stream_chat(port: int, body: dict) -> dict:
+    """One streaming chat request; returns ttft_s, latency_s, completion_tokens."""
+    t0 = time.perf_counter()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
+    conn.request("POST", "/v1/chat/completions", json.dumps(body),
+                 {"Content-Type": "application/json"})
+    r = conn.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]!r}")
+    ttft, usage = None, None
+    for raw in r:
+        line = raw.decode().strip()
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        chunk = json.loads(line[6:])
+        if chunk.get("usage"):
+            usage = chunk["usage"]
+        for ch in chunk.get("choices", []):
+            d = ch.get("delta", {})
+            if ttft is None and (d.get("content") or d.get("reasoning_content")):
+                ttft = time.perf_counter() - t0
+    conn.close()
+    if usage is None:
+        raise RuntimeError("the stream ended without a usage chunk")
+    return {"ttft_s": ttft, "latency_s": time.perf_counter() - t0,
+            "completion_tokens": usage["completion_tokens"]}
+
+
+def run_level(port: int, model: str, clients: int, rounds: int, max_tokens: int,
+              seed0: int) -> dict:
+    results, errors = [], []
+    lock = threading.Lock()
+
+    def client(c: int):
+        for r in range(rounds):
+            i = seed0 + c * rounds + r
+            body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
+                    "max_tokens": max_tokens, "temperature": 0.8, "seed": i,
+                    "messages": [{"role": "user", "content": f"Request {i}: tell a story."}],
+                    "chat_template_kwargs": {"enable_thinking": False}}
+            try:
+                res = stream_chat(port, body)
+            except Exception as e:  # noqa: BLE001 - reported below
+                with lock:
+                    errors.append(f"{type(e).__name__}: {e}")
+                return
+            with lock:
+                results.append(res)
+
+    t0 = time.perf_counter()
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    if errors:
+        raise RuntimeError(f"{len(errors)} requests failed, first: {errors[0]}")
+    toks = sum(r["completion_tokens"] for r in results)
+    ttfts = [r["ttft_s"] for r in results if r["ttft_s"] is not None]
+    return {"clients": clients, "requests": len(results), "wall_s": wall,
+            "requests_per_s": len(results) / wall, "tokens_per_s": toks / wall,
+            "completion_tokens": toks,
+            "mean_ttft_s": statistics.fmean(ttfts) if ttfts else None,
+            "mean_latency_s": statistics.fmean(r["latency_s"] for r in results)}
+
+
+def _metrics(port: int) -> dict:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request("GET", "/metrics")
+    text = conn.getresponse().read().decode()
+    out = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            out[name] = float(value)
+    return out
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise SystemExit(f"unexpected arguments: {' '.join(argv[1:])}")
+    levels = [int(c) for c in FLAGS.concurrency]
+    if not levels or min(levels) < 1:
+        raise SystemExit(f"--concurrency needs positive integers, got {FLAGS.concurrency}")
+    port = _free_port()
+    cmd = [sys.executable, "-m", "experiments", "serve", f"--port={port}",
+           *shlex.split(FLAGS.serve_flags)]
+    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
+    log: list[str] = []
+    threading.Thread(target=lambda: [log.append(l) for l in proc.stderr], daemon=True).start()
+    try:
+        t0 = time.perf_counter()
+        while True:
+            if proc.poll() is not None:
+                raise SystemExit(f"the server exited ({proc.returncode}):\n{''.join(log)[-3000:]}")
+            try:
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+                conn.request("GET", "/v1/models")
+                r = conn.getresponse()
+                if r.status == 200:
+                    model = json.loads(r.read())["data"][0]["id"]
+                    break
+            except OSError:
+                pass
+            if time.perf_counter() - t0 > FLAGS.startup_timeout_s:
+                raise SystemExit("the server did not come up in time")
+            time.sleep(0.5)
+        startup = time.perf_counter() - t0
+        print(f"[serve_bench] server up in {startup:.1f}s: {''.join(log).strip()}",
+              file=sys.stderr, flush=True)
+        top = max(levels)
+        t1 = time.perf_counter()
+        run_level(port, model, top, 1, FLAGS.max_tokens, 10_000)     # warm: compile, caches
+        print(f"[serve_bench] warm round ({top} clients) {time.perf_counter() - t1:.1f}s",
+              file=sys.stderr, flush=True)
+        rows = []
+        for i, c in enumerate(levels):
+            m0 = _metrics(port)
+            row = run_level(port, model, c, FLAGS.rounds, FLAGS.max_tokens, 100_000 * (i + 1))
+            m1 = _metrics(port)
+            row["engine_iterations"] = sum(v for k, v in m1.items()
+                                           if k.startswith("mtpjax_iteration_seconds_count")) - \
+                sum(v for k, v in m0.items() if k.startswith("mtpjax_iteration_seconds_count"))
+            rows.append(row)
+            print(f"[serve_bench] {c:3d} clients: {row['requests']} requests in "
+                  f"{row['wall_s']:.1f}s  {row['requests_per_s']:.2f} req/s  "
+                  f"{row['tokens_per_s']:.1f} tok/s  ttft {row['mean_ttft_s']:.2f}s  latency "
+                  f"{row['mean_latency_s']:.2f}s", file=sys.stderr, flush=True)
+        card = {"command": "python -m experiments serve_bench " + " ".join(
+                    a for a in sys.argv[2:]), "serve_command": " ".join(cmd[1:]),
+                "max_tokens": FLAGS.max_tokens, "rounds": FLAGS.rounds,
+                "startup_s": startup, "cpu_count": os.cpu_count(), "levels": rows,
+                "server_log": "".join(log).strip().splitlines()[-3:]}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+    with open(FLAGS.out, "w") as f:
+        json.dump(card, f, indent=1)
+    print(json.dumps(card))
