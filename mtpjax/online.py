@@ -459,6 +459,7 @@ class OnlineEngine:
         except Exception as e:  # noqa: BLE001 - the engine stopped its session; fail the
             # requests it held, open a new session, keep serving the rest
             self._stats.engine_errors += 1
+            self.engine.stop()                  # no-op if the engine already closed it
             for rid in list(self._live):
                 h, _ = self._live.pop(rid)
                 self._end(h, None, FINISH_ERROR, f"engine step failed: {type(e).__name__}: {e}")

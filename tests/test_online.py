@@ -167,6 +167,28 @@ def test_bad_requests_end_with_errors_and_do_not_disturb(engine, reference):
             online.add([1], SamplingParams(), stop=["x"])
 
 
+def test_a_failing_step_ends_its_requests_and_serving_goes_on(engine, reference):
+    real_step, calls = engine.step, []
+
+    def step():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("injected step failure")
+        return real_step()
+
+    engine.step = step
+    try:
+        with OnlineEngine(engine) as online:
+            out = online.add(PROMPTS[2], SAMPLING[2]).result(30)
+            assert out.finish_reason == "error" and "injected step failure" in out.error
+            assert online.stats().engine_errors == 1
+            assert online.add(PROMPTS[3], SAMPLING[3]).result(30).token_ids == reference[3]
+            assert wait_free(online, engine) == engine.num_pages
+    finally:
+        del engine.step
+    assert all_pages_back(engine)
+
+
 def test_shutdown_cancels_running_requests(engine):
     online = OnlineEngine(engine).start()
     h = online.add([4, 5, 6], SamplingParams(max_new_tokens=40))
