@@ -45,8 +45,10 @@ class RandomDepth:
 
 
 def _engine(k, policy=None, **kw):
+    """Every K-draft engine here has the same shapes (8-token pages: a deep step's block often
+    crosses a page), so the tests share their compiled programs."""
     return mtpjax.Engine(CFG, PARAMS, num_speculative_tokens=k, max_lanes=4, max_seq_len=96,
-                         prefill_chunk=16, speculation_policy=policy, **kw)
+                         prefill_chunk=16, speculation_policy=policy, page_size=8, **kw)
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +109,7 @@ def test_random_depths_with_oracle_drafts_accepted_deep(plain, monkeypatch, samp
 
 def test_adaptive_engine_equals_plain_and_warmup_compiles_every_depth(plain):
     greedy, sampled = plain
-    e = _engine(K, "adaptive", page_size=8)
+    e = _engine(K, "adaptive")
     n = e.warmup()
     assert n == (K + 1) * 3                      # depths 0..K x lane buckets 1, 2, 4
     assert e.warmup() == 0
