@@ -67,7 +67,8 @@ def http(url, body=None, raw=None):
         with urllib.request.urlopen(req, timeout=120) as r:
             status, text = r.status, r.read().decode()
     except urllib.error.HTTPError as e:
-        status, text = e.code, e.read().decode()
+        with e:
+            status, text = e.code, e.read().decode()
     try:
         return status, json.loads(text)
     except json.JSONDecodeError:
@@ -150,6 +151,12 @@ def live(server, reference):
     return base
 
 
+@pytest.fixture
+def client(live):
+    with openai.OpenAI(base_url=live + "/v1", api_key="none", max_retries=0) as c:
+        yield c
+
+
 def kwargs_of(case):
     p = case["params"]
     return dict(model="tiny", messages=case["messages"], temperature=p.temperature,
@@ -186,10 +193,10 @@ async def stream_chat(client, case):
 
 def test_concurrent_streaming_chats_equal_text_engine(live, reference):
     chats, _, _ = reference
-    client = openai.AsyncOpenAI(base_url=live + "/v1", api_key="none", max_retries=0)
-
     async def all_chats():
-        return await asyncio.gather(*(stream_chat(client, c) for c in CHATS))
+        async with openai.AsyncOpenAI(base_url=live + "/v1", api_key="none",
+                                      max_retries=0) as client:
+            return await asyncio.gather(*(stream_chat(client, c) for c in CHATS))
 
     results = asyncio.run(all_chats())
     for i, (case, ref, (reasoning, content, finish, usage, n_role)) in enumerate(
@@ -202,9 +209,8 @@ def test_concurrent_streaming_chats_equal_text_engine(live, reference):
         assert usage.total_tokens == usage.prompt_tokens + usage.completion_tokens
 
 
-def test_non_streaming_chat_and_completion(live, reference):
+def test_non_streaming_chat_and_completion(client, reference):
     chats, _, completion = reference
-    client = openai.OpenAI(base_url=live + "/v1", api_key="none", max_retries=0)
     for i in (0, 1):
         r = client.chat.completions.create(**kwargs_of(CHATS[i]))
         msg = r.choices[0].message
@@ -220,13 +226,12 @@ def test_non_streaming_chat_and_completion(live, reference):
     assert [m.id for m in client.models.list().data] == ["tiny"]
 
 
-def test_stop_string_cuts_exactly_streaming_and_not(live, reference):
+def test_stop_string_cuts_exactly_streaming_and_not(client, reference):
     _, _, completion = reference
     text = completion.text
     assert len(text) >= 8, f"the reference completion is too short for this test: {text!r}"
     stop = text[4:7]
     want = text[:text.find(stop)]
-    client = openai.OpenAI(base_url=live + "/v1", api_key="none", max_retries=0)
     p = COMPLETION["params"]
     kw = dict(model="tiny", prompt=COMPLETION["prompt"], seed=p.seed, temperature=p.temperature,
               max_tokens=p.max_new_tokens, stop=["@@never@@", stop])
@@ -250,9 +255,8 @@ def error_of(status, body, want_status, param=None):
     return body["error"]
 
 
-def test_bad_requests_get_openai_errors_and_leave_streams_alone(live, reference):
+def test_bad_requests_get_openai_errors_and_leave_streams_alone(live, client, reference):
     _, long_ref, _ = reference
-    client = openai.OpenAI(base_url=live + "/v1", api_key="none", max_retries=0)
     stream = client.chat.completions.create(stream=True, **kwargs_of(LONG))
     it = iter(stream)
     pieces = [next(it).choices[0].delta.content or ""]     # the stream is running
@@ -354,9 +358,8 @@ def test_killed_client_frees_its_pages(live):
     total = metric(scrape(live)[0], "mtpjax_kv_total_pages")
     cancelled0 = value_or_zero(scrape(live)[0], "mtpjax_requests_finished_total",
                                finish_reason="cancelled")
-    proc = subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, live], stdout=subprocess.PIPE,
-                            text=True)
-    try:
+    with subprocess.Popen([sys.executable, "-c", KILLED_CLIENT, live], stdout=subprocess.PIPE,
+                          text=True) as proc:
         assert proc.stdout.readline().strip() == "streaming"
         t0 = time.time()
         while metric(scrape(live)[0], "mtpjax_kv_free_pages") >= total:
@@ -364,9 +367,6 @@ def test_killed_client_frees_its_pages(live):
             time.sleep(0.05)
         proc.kill()                                    # no goodbye: the socket just closes
         proc.wait(10)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
     t0 = time.time()
     while True:
         s = scrape(live)[0]
