@@ -363,6 +363,16 @@ class Engine:
         self._sched = None
         return sched.finished
 
+    def session_counts(self) -> dict:
+        """The open session's requests running (in a lane) and waiting (queued), and its
+        preemptions so far (stats()["preemptions"] adds a session's only when it stops);
+        zeros without a session."""
+        sched = self._sched
+        if sched is None:
+            return {"running": 0, "waiting": 0, "preemptions": 0}
+        return {"running": sum(ln is not None for ln in sched.lanes),
+                "waiting": len(sched.queue), "preemptions": sched.preemptions}
+
     def cancel(self, request_id: int) -> None:
         """Cancel a request of the running session (generate: an index into its prompts); it
         ends with finish_reason "cancelled" and the tokens streamed so far. Thread-safe."""

@@ -284,14 +284,9 @@ class OnlineStats:
 
 
 def _session_counts(engine: Engine) -> tuple[int, int, int]:
-    """(running, queued, preemptions so far) of the engine's open session. Engine exposes no
-    public view of its scheduler mid-session (stats() adds a session's preemptions only when
-    it stops), so this reads the scheduler the session holds; engine thread only."""
-    sched = getattr(engine, "_sched", None)
-    if sched is None:
-        return 0, 0, 0
-    return (sum(ln is not None for ln in sched.lanes), len(sched.queue),
-            int(getattr(sched, "preemptions", 0)))
+    """(running, queued, preemptions so far) of the engine's open session."""
+    c = engine.session_counts()
+    return c["running"], c["waiting"], c["preemptions"]
 
 
 # ------------------------------------------------------------------------------ the engine
