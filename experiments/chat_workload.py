@@ -8,7 +8,8 @@ message (token level: the conversation's text, as a chat template would lay it o
 needed to measure reuse). All conversations of a turn run as one batch (continuous
 batching over `lanes` lanes), turn after turn.
 
-Stock and candidate both run with the cache on (when the judge's --prefix_cache is on), and
+Stock and candidate both run with the cache on (the judge's --prefix_cache, default on; the
+other workloads run without it), and
 each timed pass starts from an empty cache, so a pass measures the cache filling from the
 system prompt on, as a fresh server would. The ratio is reported beside SpecScore (which
 stays the geometric mean of solo, team and busy, as in the reference card).

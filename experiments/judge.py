@@ -95,8 +95,9 @@ flags.DEFINE_integer("fidelity_lanes", 16, "lanes of the fidelity engines (texts
 flags.DEFINE_float("greedy_agreement_floor", None, "optional gate floor")
 flags.DEFINE_integer("seed", 0, "base seed of sampled requests")
 flags.DEFINE_bool("progress", True, "show a progress bar")
-flags.DEFINE_bool("prefix_cache", True, "both engines reuse cached prompt prefixes (each timed "
-                  "pass starts from an empty cache)")
+flags.DEFINE_bool("prefix_cache", True, "the chat workload's engines (stock and candidate) reuse "
+                  "cached prompt prefixes; each timed pass starts from an empty cache (solo, team "
+                  "and busy run without the cache, as the reference card)")
 flags.DEFINE_bool("chat", True, "also run the chat workload (multi-turn conversations on a "
                   "shared system prompt; reported beside SpecScore)")
 flags.DEFINE_integer("chat_conversations", 8, "conversations of the chat workload")
@@ -136,7 +137,7 @@ class JudgeConfig:
     limits: gate.Limits = gate.Limits()
     tp: int = 1                 # stock and candidate on the same tp x dp devices
     dp: int = 1
-    prefix_cache: bool = True   # both engines; every timed pass starts from an empty cache
+    prefix_cache: bool = True   # the chat engines (both); each timed pass starts empty
     chat: chat_workload.ChatSpec | None = None   # the chat workload (None: not run)
 
 
@@ -209,16 +210,18 @@ def candidate_policy(jc: JudgeConfig, k: int):
 
 
 def make_engine(cfg, params, jc: JudgeConfig, k: int, lanes: int, num_pages: int | None,
-                max_seq_len: int, placed=None):
+                max_seq_len: int, placed=None, prefix_cache: bool = False):
     """Stock (k = 0) and candidate engines differ only in speculation (k and its depth policy):
     same lanes, pool, kernels and devices (jc.tp x jc.dp; `placed`: the params already laid
-    out there, shared)."""
+    out there, shared). The prefix cache is on only for the chat workload: solo, team and busy
+    measure speculation as the reference card does (busy's page-use validity counts cached
+    pages as free, and repeated prompts would turn its prefills into hits)."""
     return mtpjax.make_engine(cfg, params, tp=jc.tp, dp=jc.dp, placed=placed,
                               num_speculative_tokens=k,
                               speculation_policy=candidate_policy(jc, k), max_lanes=lanes,
                               max_seq_len=max_seq_len, kernels=jc.kernels,
                               page_size=jc.page_size, num_pages=num_pages,
-                              prefix_cache=jc.prefix_cache)
+                              prefix_cache=prefix_cache)
 
 
 MEMORY_HOW = ("each engine's own phase: peak bytes of the live device arrays its run holds "
@@ -721,7 +724,8 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
         for kk in (0, k):
             engines[("chat", kk)] = make_engine(
                 cfg, params, jc, kk, jc.team_lanes, None,
-                chat_workload.max_seq_len(jc.chat, jc.max_new_tokens), placed=placed)
+                chat_workload.max_seq_len(jc.chat, jc.max_new_tokens), placed=placed,
+                prefix_cache=jc.prefix_cache)
     warmup = warm_engines(engines)   # before any pass: no depth switch compiles while timed
     kernels = engines[(jc.workloads[0], 0)].kernels
     gate_w = "team" if "team" in plans else jc.workloads[0]
