@@ -90,15 +90,16 @@ def test_random_depths_with_oracle_drafts_accepted_deep(plain, monkeypatch, samp
 
     def oracle_drafts(cfg, prm, cache, state, lanes, active, table, **kw):
         seq = PROMPTS[i] + ref[i].token_ids
-        P = int(state.pos[0])
+        (lane,) = np.flatnonzero(np.asarray(active))      # one request at a time
+        P = int(state.pos[lane])
         d = [seq[P + 1 + j] if P + 1 + j < len(seq) and rng.random() > 0.15 else 10 - j
              for j in range(K)]
-        state = dataclasses.replace(state, drafts=jnp.asarray([d], jnp.int32))
+        state = dataclasses.replace(state, drafts=state.drafts.at[lane].set(
+            jnp.asarray(d, jnp.int32)))
         return real(cfg, prm, cache, state, lanes, active, table, **kw)
 
     monkeypatch.setattr(steps, "decode_step", oracle_drafts)
-    e = mtpjax.Engine(CFG, PARAMS, num_speculative_tokens=K, max_lanes=1, max_seq_len=96,
-                      prefill_chunk=16, speculation_policy=RandomDepth(3))
+    e = _engine(K, RandomDepth(3))   # the other tests' programs (one busy lane: bucket 1)
     acc = np.zeros(K, int)
     for i in range(len(PROMPTS)):
         out = e.generate([PROMPTS[i]], params[i])[0]
