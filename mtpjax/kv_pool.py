@@ -188,6 +188,8 @@ class PageAllocator:
     def _release(self, pages) -> None:
         for p in pages:
             p = int(p)
+            if not 0 <= p < self.num_pages or self._refs[p] < 1:
+                continue     # a corrupted table entry (the step that read it has raised)
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 self._frozen[p] = False
