@@ -32,10 +32,10 @@ import threading
 import time
 from typing import Sequence
 
-from mtpjax.engine import Engine, RequestOutput, RequestStats
+from mtpjax.engine import (FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Engine,
+                           RequestOutput, RequestStats)
 from mtpjax.sampling import SamplingParams
 
-FINISH_STOP, FINISH_LENGTH, FINISH_ERROR, FINISH_CANCELLED = "stop", "length", "error", "cancelled"
 # Upper bounds (seconds) of the histogram of engine iterations (one Engine.step each).
 ITERATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 

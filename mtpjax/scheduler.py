@@ -302,9 +302,11 @@ class Scheduler:
         pre_need = (self.alloc.needed(pre, self._prefill_tokens(self.lanes[pre]))
                     if pre is not None else 0)
 
+        available = self.alloc.available     # free + cached-only pages (one count)
+
         def fits(d: int) -> bool:
             return pre_need + sum(self.alloc.needed(b, tokens_touched_decode(
-                self.lanes[b].pos, d)) for b in decode) <= self.alloc.available
+                self.lanes[b].pos, d)) for b in decode) <= available
         max_depth = next((d for d in range(self.k, -1, -1) if fits(d)), 0)
         view = None
         k = 0
