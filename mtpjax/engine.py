@@ -352,12 +352,6 @@ class Engine:
         sched = self._sched
         if sched is None:
             return {}
-        for b, ln in enumerate(sched.lanes):
-            if ln is not None:
-                sched._finish(b, FINISH_CANCELLED)
-        for req in sched.queue:
-            sched._record(req, FINISH_CANCELLED)
-        sched.queue.clear()
         sched.abort()
         self.preemptions += sched.preemptions
         self._sched = None

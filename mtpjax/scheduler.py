@@ -441,8 +441,11 @@ class Scheduler:
         self.finished[req.id] = RequestOutput(req.prompt, req.out, reason, None, req.stats)
 
     def abort(self) -> None:
-        """Release every lane's pages (the engine calls this if a step raises)."""
-        for b in range(len(self.lanes)):
-            if self.lanes[b] is not None:
-                self.alloc.free(b)
-                self.lanes[b] = None
+        """End every running and queued request "cancelled" (with the tokens it has) and
+        release every lane's pages: the end of an engine session, or a step that raised."""
+        for b, ln in enumerate(self.lanes):
+            if ln is not None:
+                self._finish(b, FINISH_CANCELLED)
+        for req in self.queue:
+            self._record(req, FINISH_CANCELLED)
+        self.queue.clear()
