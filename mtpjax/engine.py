@@ -462,10 +462,20 @@ class Engine:
             self.depth_steps = [0] * (self.k + 1)
 
     def warmup(self, depths: Sequence[int] | None = None, lanes: int | None = None) -> int:
-        """Compile the decode program of every depth (default 0..K) for every lane bucket up
-        to `lanes` (default max_lanes), so that a policy switching depths never compiles
-        mid-run. Each program runs once with every lane idle, which reads and writes no lane
-        state. Call it between generate calls. Returns how many programs it compiled."""
+        """Compile, before any timed work, every program a run may need: the decode program
+        of every depth (default 0..K) for every lane bucket up to `lanes` (default max_lanes),
+        the prefill program of every chunk bucket (a preempted request re-prefills its prompt
+        and replies, a chunk length the first requests may never have used), the lane move
+        and, with the prefix cache, snapshot save and restore. So a policy switching depths,
+        or a preemption, never compiles mid-run.
+
+        Nothing any request can see is touched: decode programs run with every lane idle
+        (no lane state read or written); prefill programs run on lane 0 with a page table
+        of no pages (every KV write is dropped) and as a non-final chunk (no LaneState
+        written); what they leave in lane 0's GDN slot is never read, since a lane is always
+        prefilled from position 0 (read as zeros) or restored from a snapshot when a request
+        is admitted to it. A snapshot is saved only into a free slot. Call it between
+        generate calls. Returns how many programs it compiled."""
         if self._sched is not None:
             raise RuntimeError("warmup() cannot run inside generate()")
         depths = range(self.k + 1) if depths is None else depths
@@ -487,6 +497,34 @@ class Engine:
                 out.block_until_ready()
                 self._programs.add(key)
                 n += 1
+        lanes_all = LaneSampling.from_params([SamplingParams()] * self.max_lanes)
+        no_pages = jnp.full((1, self.pages_per_lane), -1, jnp.int32)
+        for T in self.chunk_buckets:
+            if ("prefill", T) in self._programs:
+                continue
+            zeros = jnp.zeros((1, T), jnp.int32)
+            self.cache, self.state, first = steps.prefill_chunk(
+                self.cfg, self.params, self.cache, self.state, lanes_all, jnp.int32(0), zeros,
+                zeros, jnp.int32(0), jnp.int32(T), jnp.bool_(False), no_pages, k=self.k,
+                kernels=self.kernels, mesh=self.mesh)
+            first.block_until_ready()
+            self._programs.add(("prefill", T))
+            n += 1
+        if self.max_lanes > 1 and ("move_lane",) not in self._programs:
+            self.cache, self.state = steps.move_lane(self.cache, self.state, jnp.int32(0),
+                                                     jnp.int32(0), mesh=self.mesh)
+            self._programs.add(("move_lane",))
+            n += 1
+        if self.prefix is not None and ("snapshot",) not in self._programs:
+            self.cache, self.snaps = snapshots.restore(self.cache, self.snaps, jnp.int32(0),
+                                                       jnp.int32(0), mesh=self.mesh)
+            if self.prefix.free_slots:
+                self.cache, self.snaps = snapshots.save(
+                    self.cache, self.snaps, jnp.int32(0), jnp.int32(self.prefix.free_slots[-1]),
+                    mesh=self.mesh)
+            jax.block_until_ready(self.cache)
+            self._programs.add(("snapshot",))
+            n += 2
         return n
 
     def stats(self) -> dict:

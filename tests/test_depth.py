@@ -112,7 +112,8 @@ def test_adaptive_engine_equals_plain_and_warmup_compiles_every_depth(plain):
     greedy, sampled = plain
     e = _engine(K, "adaptive")
     n = e.warmup()
-    assert n == (K + 1) * 3                      # depths 0..K x lane buckets 1, 2, 4
+    # depths 0..K x lane buckets 1, 2, 4; a prefill per chunk bucket; lane move; snapshots
+    assert n == (K + 1) * 3 + len(e.chunk_buckets) + 1 + 2 * (e.prefix is not None)
     assert e.warmup() == 0
     for ref, sp in ((greedy, GREEDY), (sampled, SAMPLED)):
         for a, b in zip(ref, e.generate(PROMPTS, sp)):

@@ -133,9 +133,11 @@ def test_judge_end_to_end_card(peaky_ckpt, tmp_path):
     st = on_disk["settings"]
     assert st["adaptive"] is True and st["policy"] == "AdaptiveDepth"
     assert st["mtp_head"] == "trained" and st["num_speculative_tokens"] == 1
-    # the warm-up compiled every depth of every lane bucket (solo 1; team, busy 1 and 2)
-    assert st["warmup"]["solo/k=1"]["programs"] == 2
-    assert st["warmup"]["team/k=1"]["programs"] == 4 and st["warmup"]["team/k=0"]["programs"] == 2
+    # the warm-up compiled every depth of every lane bucket (solo 1; team, busy 1 and 2), the
+    # 4 prefill chunk buckets (8..64) and, with more than one lane, the lane move
+    assert st["warmup"]["solo/k=1"]["programs"] == 2 + 4
+    assert st["warmup"]["team/k=1"]["programs"] == 4 + 4 + 1
+    assert st["warmup"]["team/k=0"]["programs"] == 2 + 4 + 1
     for w in ("solo", "team", "busy"):
         r = on_disk["policy"][w]["replicas"][0]
         assert on_disk["policy"][w]["name"] == "AdaptiveDepth"

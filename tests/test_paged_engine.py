@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import mtpjax
-from mtpjax import model, steps
+from mtpjax import model, snapshots, steps
 from mtpjax.engine import Engine, SpeculationPolicy
 from mtpjax.sampling import SamplingParams
 
@@ -40,8 +40,8 @@ def alone(**kw):
                   prefill_chunk=CHUNK, page_size=PAGE, kernels="interpret", **kw)
 
 
-def crowded(k, **kw):
-    return Engine(CFG, PARAMS, num_speculative_tokens=k, max_lanes=8, max_seq_len=SEQ,
+def crowded(k, max_seq_len=SEQ, **kw):
+    return Engine(CFG, PARAMS, num_speculative_tokens=k, max_lanes=8, max_seq_len=max_seq_len,
                   prefill_chunk=CHUNK, page_size=PAGE, num_pages=POOL, kernels="reference",
                   **kw)
 
@@ -272,6 +272,37 @@ def test_no_recompiles_across_calls_and_stats():
     assert s["compiled_programs"] <= 1 + 2 * 4
     # the drained tail runs in bucket 1 (compaction keeps the last lane at slot 0)
     assert 1 in {p[2] for p in s["programs"] if p[0] == "decode"}
+
+
+def test_warmup_compiles_everything_a_crowded_run_needs_and_changes_no_output():
+    """After warmup(), 40 requests with preemptions (re-prefills of prompt + reply: chunk
+    lengths the first admissions never used), lane moves and prefix-cache snapshots compile
+    no step program, and give the one-at-a-time tokens (warmup's prefill left lane 0's GDN
+    slot dirty and wrote no KV)."""
+    from jax._src import dispatch, monitoring
+    idx = list(range(40))
+    e = crowded(2, max_seq_len=SEQ - 4, prefill_buckets=(2, 4, CHUNK))  # shapes of its own
+    n = e.warmup()
+    assert n == 3 * 4 + 3 + 1 + 2      # depths 0..2 x buckets 1..8, 3 chunks, move, snapshots
+    assert e.warmup() == 0
+    compiled = []
+
+    def on_compile(event, _secs, fun_name=None, **_):
+        if event == dispatch.BACKEND_COMPILE_EVENT:
+            compiled.append(fun_name)
+
+    monitoring.register_event_duration_secs_listener(on_compile)
+    try:
+        outs = e.generate([PROMPTS[i] for i in idx], [GREEDY[i] for i in idx])
+        jax.jit(lambda x: x + 1)(1.0)              # a positive control: this one compiles
+    finally:
+        monitoring.unregister_event_duration_listener(on_compile)
+    assert_same(outs, idx)
+    s = e.stats()
+    assert s["preemptions"] > 0 and s["lane_moves"] > 0
+    programs = {f"jit({f})" for f in ("decode_step", "prefill_chunk", "move_lane", "save",
+                                       "restore")}
+    assert "jit(<lambda>)" in compiled and not programs & set(compiled), compiled
 
 
 def test_engine_arguments_are_checked_and_forwarded(monkeypatch):
