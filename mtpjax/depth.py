@@ -27,8 +27,8 @@ and what it earns depends on the request. So both are measured while the engine 
   line fitted through noisy deeper samples must not hide what it costs. A switch needs a
   `hysteresis` gain, so noise does not make the depth flap.
 
-A depth-0 step still writes the MTP KV (steps.py), so a useless MTP head costs about nothing:
-acceptance 0 makes every E_d = 1 and the cheapest depth, 0, wins. Lossless whatever it
+A depth-0 step is the stock step (steps.py: no MTP work by default), so a useless MTP head
+costs about nothing: acceptance 0 makes every E_d = 1 and the cheapest depth, 0, wins. Lossless whatever it
 chooses (tests/test_depth.py forces random depth sequences).
 """
 

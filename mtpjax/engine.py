@@ -105,6 +105,9 @@ class Engine:
       each at 27B, so size num_pages and prefix_snapshots together within the memory budget).
       snapshot_every_blocks: a snapshot every this many pages of a prompt (plus one at the
       last full page before the prompt's end).
+    depth0_fills_mtp_kv: a depth-0 step of a K > 0 engine writes the MTP KV of the pair it
+      commits (True) or is the stock step (False, default: later drafts attend the stale
+      entries, a measured acceptance cost of about nothing; see steps.py).
     """
 
     def __init__(self, cfg: Config, params: Params, *, num_speculative_tokens: int = 0,
@@ -115,7 +118,7 @@ class Engine:
                  prefill_buckets: Sequence[int] | None = None,
                  tp: int = 1, devices: Sequence | None = None, mesh=None,
                  prefix_cache: bool = True, prefix_snapshots: int | None = None,
-                 snapshot_every_blocks: int = 4):
+                 snapshot_every_blocks: int = 4, depth0_fills_mtp_kv: bool = False):
         k = int(num_speculative_tokens)
         if k < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
@@ -149,6 +152,7 @@ class Engine:
         tensor_parallel.check_tp(cfg, tensor_parallel.mesh_tp(mesh))
         self.mesh, self.tp = mesh, tensor_parallel.mesh_tp(mesh)
         self.cfg, self.params, self.k = cfg, params, k
+        self.depth0_fills_mtp_kv = bool(depth0_fills_mtp_kv)
         self.max_lanes, self.max_seq_len, self.kernels = max_lanes, max_seq_len, kernels
         buckets = sorted(set(map(int, prefill_buckets or _buckets(prefill_chunk))))
         if buckets[0] < 1 or buckets[-1] != prefill_chunk:
@@ -414,7 +418,7 @@ class Engine:
             self.cache, self.state, out, n_acc = steps.decode_step(
                 self.cfg, self.params, self.cache, self.state, lanes, jnp.asarray(active),
                 jnp.asarray(self.alloc.table[:nb]), k=plan.k, kernels=self.kernels,
-                mesh=self.mesh)
+                mesh=self.mesh, fill_mtp_kv=self.depth0_fills_mtp_kv)
             out, n_acc = np.asarray(out), np.asarray(n_acc)
             t1 = time.perf_counter()
             observe = getattr(self.policy, "observe", None)
@@ -493,7 +497,7 @@ class Engine:
                 self.cache, self.state, out, _ = steps.decode_step(
                     self.cfg, self.params, self.cache, self.state, lanes_s,
                     jnp.zeros(nb, bool), jnp.asarray(self.alloc.table[:nb]), k=d,
-                    kernels=self.kernels, mesh=self.mesh)
+                    kernels=self.kernels, mesh=self.mesh, fill_mtp_kv=self.depth0_fills_mtp_kv)
                 out.block_until_ready()
                 self._programs.add(key)
                 n += 1

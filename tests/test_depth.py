@@ -1,5 +1,5 @@
-"""Draft depth per step (0..K): lossless under any depth sequence, the depth-0 MTP KV fill is
-exact, and the adaptive policy converges where its cost and acceptance say it should.
+"""Draft depth per step (0..K): lossless under any depth sequence (depth-0 steps bare or
+filling the MTP KV), the depth-0 MTP KV fill is exact, and the adaptive policy converges where its cost and acceptance say it should.
 
 Engine tests use the VOCAB11 random model (drafts land often enough that accept, rollback
 and redraft run at every depth); policy tests drive `depth.AdaptiveDepth` with synthetic
@@ -57,11 +57,12 @@ def plain():
     return e.generate(PROMPTS, GREEDY), e.generate(PROMPTS, SAMPLED)
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_depth_sequences_equal_plain_greedy_and_sampled(plain, seed):
+@pytest.mark.parametrize("seed, fill", [(0, False), (1, True)])
+def test_random_depth_sequences_equal_plain_greedy_and_sampled(plain, seed, fill):
+    """Depth-0 steps as the stock step (MTP KV holes) or filling the MTP KV: both exact."""
     greedy, sampled = plain
     policy = RandomDepth(seed)
-    e = _engine(K, policy)
+    e = _engine(K, policy, depth0_fills_mtp_kv=fill)
     outs = []
     for ref, sp in ((greedy, GREEDY), (sampled, SAMPLED)):
         outs += e.generate(PROMPTS, sp)
