@@ -28,8 +28,8 @@ and what it earns depends on the request. So both are measured while the engine 
   `hysteresis` gain, so noise does not make the depth flap.
 
 A depth-0 step is the stock step (steps.py: no MTP work by default), so a useless MTP head
-costs about nothing: acceptance 0 makes every E_d = 1 and the cheapest depth, 0, wins. Lossless whatever it
-chooses (tests/test_depth.py forces random depth sequences).
+costs about nothing: acceptance 0 makes every E_d = 1 and the cheapest depth, 0, wins.
+Lossless whatever it chooses (tests/test_depth.py forces random depth sequences).
 """
 
 from __future__ import annotations

@@ -42,8 +42,8 @@ A depth-0 step on a K > 0 engine drafts nothing. By default (`fill_mtp_kv=False`
 MTP work at all: it is the stock step, so a policy that turns speculation off pays nothing for
 having a head. The MTP KV at the positions it commits is then left as the pages held it (a
 hole); later drafts attend those stale entries, which costs acceptance, never exactness: a
-draft is only a proposal. Measured on the judge's busy workload, 31% of steps at depth 0:
-first-draft acceptance 0.723 with holes vs 0.730 filled (RESULTS.md). With
+draft is only a proposal. Measured on the judge's busy workload: first-draft acceptance
+0.723 with holes (78% of its steps at depth 0) vs 0.730 filled (RESULTS.md). With
 `fill_mtp_kv=True` it writes the true MTP KV of its committed pair (model.mtp_fill_kv: fc and
 the KV projection only, not the MTP's attention, MLP or lm_head), so the MTP cache holds true
 entries at every committed position whatever the depth sequence was. Output is lossless
