@@ -522,13 +522,14 @@ class Engine:
         if self.prefix is not None and ("snapshot",) not in self._programs:
             self.cache, self.snaps = snapshots.restore(self.cache, self.snaps, jnp.int32(0),
                                                        jnp.int32(0), mesh=self.mesh)
-            if self.prefix.free_slots:
+            n += 1
+            if self.prefix.free_slots:   # else every slot is in use: save compiles on demand
                 self.cache, self.snaps = snapshots.save(
                     self.cache, self.snaps, jnp.int32(0), jnp.int32(self.prefix.free_slots[-1]),
                     mesh=self.mesh)
+                self._programs.add(("snapshot",))
+                n += 1
             jax.block_until_ready(self.cache)
-            self._programs.add(("snapshot",))
-            n += 2
         return n
 
     def stats(self) -> dict:
