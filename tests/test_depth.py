@@ -1,5 +1,6 @@
 """Draft depth per step (0..K): lossless under any depth sequence (depth-0 steps bare or
-filling the MTP KV), the depth-0 MTP KV fill is exact, and the adaptive policy converges where its cost and acceptance say it should.
+filling the MTP KV), the depth-0 MTP KV fill is exact, and the adaptive policy converges where
+its cost and acceptance say it should.
 
 Engine tests use the VOCAB11 random model (drafts land often enough that accept, rollback
 and redraft run at every depth); policy tests drive `depth.AdaptiveDepth` with synthetic

@@ -23,7 +23,7 @@ import numpy as np
 import pytest
 
 import mtpjax
-from mtpjax import model, snapshots, steps
+from mtpjax import model, steps
 from mtpjax.engine import Engine, SpeculationPolicy
 from mtpjax.sampling import SamplingParams
 
