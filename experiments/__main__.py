@@ -13,7 +13,9 @@ off unless `--compilation_cache` is given. At exit one line on stderr counts the
 new entries.
 """
 
+import glob
 import importlib
+import logging
 import os
 import sys
 
@@ -72,8 +74,31 @@ def configure_compilation_cache(enabled: bool, path: str) -> dict:
     return counts
 
 
+GPU_COMMANDS = ("gpu_check",)   # these look for a GPU whatever the machine seems to have
+
+
+def has_nvidia_gpu() -> bool:
+    """An NVIDIA device node exists (a GPU the CUDA plugin could use)."""
+    return bool(glob.glob("/dev/nvidia[0-9]*"))
+
+
+def quiet_backend_discovery(cmd: str) -> None:
+    """Keep JAX's backend discovery out of the output of a CPU run.
+
+    With the `test` or `aot` extra installed, JAX finds the CUDA plugin and, on a machine
+    without a GPU, prints "Unable to load cuDNN" with a traceback before any output; it also
+    logs at INFO that it found no libtpu. Where no NVIDIA device exists and JAX_PLATFORMS is
+    not set, the run is on the CPU: say so (JAX_PLATFORMS=cpu), so neither is tried. Backend
+    messages below WARNING are dropped everywhere. `aot` sets JAX_PLATFORMS=cpu itself (a
+    deviceless compile loads the CUDA compiler, not the runtime)."""
+    if "JAX_PLATFORMS" not in os.environ and cmd not in GPU_COMMANDS and not has_nvidia_gpu():
+        os.environ["JAX_PLATFORMS"] = "cpu"
+    logging.getLogger("jax._src.xla_bridge").setLevel(logging.WARNING)
+
+
 def main_entry():
     cmd, rest = _split(sys.argv)
+    quiet_backend_discovery(cmd)
     module = importlib.import_module(f"experiments.{cmd}")
 
     def main(argv):

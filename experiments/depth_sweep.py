@@ -178,18 +178,24 @@ def max_seq_len_for(prompt_tokens: int, new_tokens: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 def make_engine(cfg, params, lanes: int, depth: int | str, depths, max_seq_len: int,
-                kernels: str | None, page_size: int = 16):
+                kernels: str | None, page_size: int = 16, lane_slots: int | None = None):
     """The cell's engine: depth 0 = the stock engine; depth d >= 1 = K = adaptive_k(depths)
     draft slots with the fixed policy at d; adaptive = K slots, adaptive policy. Stop tokens
-    off (see top)."""
+    off (see top). lane_slots (default lanes): the device state's lane slots and a pool for
+    all of them (the cell's own page budget is `lanes` lanes at full context), so every cell of
+    one K shares its compiled programs (Engine.shape_key)."""
     import mtpjax
+    from mtpjax.kv_pool import pages_for
     from mtpjax.scheduler import SpeculationPolicy
     k = engine_k(depth, depths)
     policy = (ADAPTIVE if depth == ADAPTIVE else
               SpeculationPolicy(depth=int(depth)) if k else "fixed")
+    slots = lanes if lane_slots is None else lane_slots
+    per_lane = pages_for(max_seq_len + 2 * k, page_size)
     return mtpjax.Engine(cfg, params, num_speculative_tokens=k, max_lanes=lanes,
                          max_seq_len=max_seq_len, kernels=kernels, page_size=page_size,
-                         eos_token_ids=(), speculation_policy=policy)
+                         eos_token_ids=(), speculation_policy=policy, lane_slots=slots,
+                         num_pages=lanes * per_lane, pool_pages=slots * per_lane)
 
 
 def run_pass(engine, prompts, sampling) -> dict:
@@ -293,7 +299,8 @@ def run_sweep(cfg, params, prompts: Sequence[Sequence[int]], *, lanes: Sequence[
         work = [list(p) for p in prompts[:L * requests_per_lane]]
         engines, warmups = {}, {}
         for d in depths:
-            engines[d] = make_engine(cfg, params, L, d, depths, max_seq, kernels, page_size)
+            engines[d] = make_engine(cfg, params, L, d, depths, max_seq, kernels, page_size,
+                                     lane_slots=max(lanes))
             warmups[d] = warm(engines[d], work, sampling, d)
             log(f"  lanes={L:<3d} {label(d):9s} compiled: warm-up generate "
                 f"{warmups[d]['generate_s']:.1f} s, warmup() {warmups[d]['warmup_programs']} "

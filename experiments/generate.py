@@ -102,6 +102,8 @@ def main(argv):
                         max_new_tokens=FLAGS.max_new_tokens, seed=FLAGS.seed)
     if FLAGS.chat:
         sp = dataclasses.replace(sp, stop_token_ids=tok.stop_ids())
+    print("[generate] the first step of each kind compiles its program (a few seconds each on "
+          "a CPU; later runs load them from the compilation cache)", file=sys.stderr, flush=True)
     if FLAGS.warmup:
         text_engine.generate([prompt_ids], sp)
 

@@ -45,7 +45,9 @@ from experiments import card as card_lib
 from experiments import chat_workload
 from experiments import judge_gate as gate
 from experiments import mesh_flags, weight_flags
+from experiments.progress import Progress, map_limit, mappings, program_name
 from mtpjax import model, quant, steps
+from mtpjax.kv_pool import pages_for
 from mtpjax.sampling import LaneSampling, SamplingParams
 
 FLAGS = flags.FLAGS
@@ -94,7 +96,11 @@ flags.DEFINE_float("busy_page_use_floor", 0.9, "busy workload validity: least pa
 flags.DEFINE_integer("fidelity_lanes", 16, "lanes of the fidelity engines (texts per batch)")
 flags.DEFINE_float("greedy_agreement_floor", None, "optional gate floor")
 flags.DEFINE_integer("seed", 0, "base seed of sampled requests")
-flags.DEFINE_bool("progress", True, "show a progress bar")
+flags.DEFINE_bool("progress", True, "progress lines on stderr (loading, compiling n of m, "
+                  "passes); --progress=false is quiet")
+flags.DEFINE_list("lane_buckets", None, "lane counts the decode steps are compiled for "
+                  "(default: the workloads' lane counts, e.g. 1,8,16); every engine shares "
+                  "one set of programs")
 flags.DEFINE_bool("prefix_cache", True, "the chat workload's engines (stock and candidate) reuse "
                   "cached prompt prefixes; each timed pass starts from an empty cache (solo, team "
                   "and busy run without the cache, as the reference card)")
@@ -139,6 +145,7 @@ class JudgeConfig:
     dp: int = 1
     prefix_cache: bool = True   # the chat engines (both); each timed pass starts empty
     chat: chat_workload.ChatSpec | None = None   # the chat workload (None: not run)
+    lane_buckets: tuple | None = None   # decode lane buckets (None: the workloads' lanes)
 
 
 def _from_flags() -> JudgeConfig:
@@ -155,6 +162,7 @@ def _from_flags() -> JudgeConfig:
         gate_prompts=f.gate_prompts, fidelity_tokens=f.fidelity_tokens,
         fidelity_lanes=f.fidelity_lanes, seed=f.seed, progress=f.progress, tp=f.tp, dp=f.dp,
         prefix_cache=f.prefix_cache,
+        lane_buckets=tuple(int(b) for b in f.lane_buckets) if f.lane_buckets else None,
         chat=(chat_workload.ChatSpec(f.chat_conversations, f.chat_turns, f.chat_system_tokens)
               if f.chat else None),
         limits=gate.Limits(f.greedy_agreement_floor, f.likelihood_bound, f.argmax_bound,
@@ -209,18 +217,43 @@ def candidate_policy(jc: JudgeConfig, k: int):
     return "adaptive" if (k and jc.adaptive) else None
 
 
+@dataclasses.dataclass(frozen=True)
+class EngineShape:
+    """What every judge engine shares, so that all of them run one set of compiled programs
+    per k (programs are keyed by shapes; Engine.shape_key): lane slots (the most lanes of any
+    workload), context, the device pool (every slot at full context) and the decode lane
+    buckets (the workloads' lane counts). A workload's own lanes and page budget are engine
+    settings that change no shape (Engine max_lanes, num_pages). Without this the default
+    judge compiled ~160 programs and ran out of memory mappings (issue 22)."""
+    lane_slots: int
+    max_seq_len: int
+    lane_buckets: tuple
+
+
+def engine_shape(jc: JudgeConfig, lanes: list[int], max_seq_len: int) -> EngineShape:
+    buckets = jc.lane_buckets or tuple(sorted(set(lanes)))
+    return EngineShape(max(max(lanes), max(buckets)), max_seq_len, tuple(buckets))
+
+
 def make_engine(cfg, params, jc: JudgeConfig, k: int, lanes: int, num_pages: int | None,
-                max_seq_len: int, placed=None, prefix_cache: bool = False):
+                shape: EngineShape, placed=None, prefix_cache: bool = False):
     """Stock (k = 0) and candidate engines differ only in speculation (k and its depth policy):
     same lanes, pool, kernels and devices (jc.tp x jc.dp; `placed`: the params already laid
-    out there, shared). The prefix cache is on only for the chat workload: solo, team and busy
-    measure speculation as the reference card does (busy's page-use validity counts cached
-    pages as free, and repeated prompts would turn its prefills into hits)."""
+    out there, shared). `lanes` and `num_pages` (None: every lane at full context) are the
+    workload's; the shapes are `shape`'s, common to every workload. The prefix cache is on
+    only for the chat workload: solo, team and busy measure speculation as the reference
+    card does (busy's page-use validity counts cached pages as free, and repeated prompts
+    would turn its prefills into hits)."""
+    per_lane = pages_for(shape.max_seq_len + 2 * k, jc.page_size)
     return mtpjax.make_engine(cfg, params, tp=jc.tp, dp=jc.dp, placed=placed,
                               num_speculative_tokens=k,
                               speculation_policy=candidate_policy(jc, k), max_lanes=lanes,
-                              max_seq_len=max_seq_len, kernels=jc.kernels,
-                              page_size=jc.page_size, num_pages=num_pages,
+                              max_seq_len=shape.max_seq_len, kernels=jc.kernels,
+                              page_size=jc.page_size,
+                              num_pages=lanes * per_lane if num_pages is None else num_pages,
+                              pool_pages=shape.lane_slots * per_lane,
+                              lane_slots=shape.lane_slots,
+                              lane_buckets=[b for b in shape.lane_buckets if b <= shape.lane_slots],
                               prefix_cache=prefix_cache)
 
 
@@ -385,14 +418,33 @@ def policy_report(engine) -> dict | None:
     return {"name": type(reps[0]).__name__, "replicas": out}
 
 
-def warm_engines(engines: dict) -> dict:
-    """Engine.warmup() on every engine before any timed work: (programs compiled, seconds)."""
-    out = {}
+def warm_engines(engines: dict, log: Progress | None = None) -> dict:
+    """Engine.warmup() on every engine before any timed work: {engine: {programs, seconds}}.
+
+    Engines of one shape key run the same programs (EngineShape), compiled once: the first
+    engine to run one compiles it (or loads it from the persistent compilation cache), the
+    others find it compiled. `log` gets a line per program: n of m (distinct programs),
+    what it is, seconds."""
+    plans = {name: e.warmup_plan() for name, e in engines.items()}
+    keyed = lambda e, key: (_shape_key(e, key), key)
+    distinct = {keyed(engines[name], key) for name, plan in plans.items() for key in plan}
+    seen, out = set(), {}
     for (w, kk), e in engines.items():
+        def progress(key, seconds, e=e, w=w, kk=kk):
+            pk = keyed(e, key)
+            if pk not in seen and log is not None:
+                seen.add(pk)
+                log(f"compiling {len(seen)}/{len(distinct)}: {program_name(key)} "
+                    f"({'stock' if kk == 0 else f'K = {kk}'}) {seconds:.1f} s")
         t0 = time.perf_counter()
-        n = e.warmup()
+        n = e.warmup(progress=progress)
         out[f"{w}/k={kk}"] = {"programs": int(n), "seconds": time.perf_counter() - t0}
     return out
+
+
+def _shape_key(engine, key):
+    reps = getattr(engine, "replicas", None)
+    return tuple(r.shape_key(key) for r in reps) if reps is not None else engine.shape_key(key)
 
 
 def randomize_mtp_head(params, seed: int):
@@ -496,20 +548,35 @@ def fidelity(cfg, params, texts, jc: JudgeConfig, kernels: str) -> float:
     return float(np.concatenate(diffs).mean())
 
 
-def score_replies(cfg, params, prompts, replies):
-    """Per reply: mean log-prob of its tokens and share equal to the argmax, under stock."""
+SCORE_ROWS = 8   # replies scored per forward_logits call
+
+
+def score_replies(cfg, params, prompts, replies, length: int | None = None):
+    """Per reply: mean log-prob of its tokens and share equal to the argmax, under stock.
+
+    Every prompt + reply is right-padded to one length (`length`, default the longest) and
+    scored SCORE_ROWS at a time (the last batch padded with copies), so the whole gate
+    compiles one forward_logits program instead of one per sequence length. The model is
+    causal, so padding after a sequence changes none of its logits."""
+    rows = [(p, r) for p, r in zip(prompts, replies) if r]
+    if not rows:
+        return [], []
+    T = max(len(p) + len(r) for p, r in rows) if length is None else length
+    seqs = np.zeros((len(rows), T), np.int32)
+    for i, (p, r) in enumerate(rows):
+        seqs[i, :len(p) + len(r)] = p + r
     lp_means, am_shares = [], []
-    for p, r in zip(prompts, replies):
-        if not r:
-            continue
-        seq = np.asarray([p + r], np.int32)
-        logits = np.asarray(mtpjax.forward_logits(cfg, params, seq))[0].astype(np.float64)
-        top = logits.max(-1, keepdims=True)
-        lp = logits - top - np.log(np.exp(logits - top).sum(-1, keepdims=True))
-        pos = np.arange(len(p) - 1, len(p) + len(r) - 1)
-        toks = np.asarray(r)
-        lp_means.append(float(lp[pos, toks].mean()))
-        am_shares.append(float((logits[pos].argmax(-1) == toks).mean()))
+    for i in range(0, len(rows), SCORE_ROWS):
+        idx = np.minimum(np.arange(i, i + SCORE_ROWS), len(rows) - 1)
+        logits = np.asarray(mtpjax.forward_logits(cfg, params, seqs[idx])).astype(np.float64)
+        for j, (p, r) in enumerate(rows[i:i + SCORE_ROWS]):
+            lg = logits[j]
+            top = lg.max(-1, keepdims=True)
+            lp = lg - top - np.log(np.exp(lg - top).sum(-1, keepdims=True))
+            pos = np.arange(len(p) - 1, len(p) + len(r) - 1)
+            toks = np.asarray(r)
+            lp_means.append(float(lp[pos, toks].mean()))
+            am_shares.append(float((lg[pos].argmax(-1) == toks).mean()))
     return lp_means, am_shares
 
 
@@ -672,12 +739,14 @@ def mtp_head_acceptance(engines: dict, prompts, jc: JudgeConfig) -> dict:
 # ------------------------------------------------------------------------------- main
 
 def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
-    from tqdm import tqdm
     t_start = time.perf_counter()
     k = jc.k if candidate_k is None else candidate_k
     jc = dataclasses.replace(jc, k=k)
+    log = Progress("judge", jc.progress)
     check_config(jc)
+    log(f"loading {jc.checkpoint} ({jc.dtype})")
     cfg, params, dense = load_weights(jc)
+    maps_loaded = mappings()
     check_config(jc, cfg)
     if jc.mtp_head == "random":
         if quant.has_fp8(params):
@@ -709,6 +778,12 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
 
     plans = {w: workload_plan(w, jc, prompts) for w in jc.workloads}
     pool = {w: (busy_pages(jc, plans[w][1]) if w == "busy" else None) for w in jc.workloads}
+    lanes_used = [lanes for lanes, _ in plans.values()]
+    if jc.chat is not None:
+        chat_system, chat_users = chat_workload.build(texts, jc.chat)
+        lanes_used.append(jc.team_lanes)
+        max_seq_len = max(max_seq_len, chat_workload.max_seq_len(jc.chat, jc.max_new_tokens))
+    shape = engine_shape(jc, lanes_used, max_seq_len)
     engines = {}
     placed = None
     if jc.tp * jc.dp > 1:   # lay the weights out once; every engine shares them
@@ -717,16 +792,14 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
                   for m in tensor_parallel.make_meshes(jc.tp, jc.dp)]
     for w, (lanes, _) in plans.items():
         for kk in (0, k):
-            engines[(w, kk)] = make_engine(cfg, params, jc, kk, lanes, pool[w], max_seq_len,
+            engines[(w, kk)] = make_engine(cfg, params, jc, kk, lanes, pool[w], shape,
                                            placed=placed)
     if jc.chat is not None:
-        chat_system, chat_users = chat_workload.build(texts, jc.chat)
         for kk in (0, k):
-            engines[("chat", kk)] = make_engine(
-                cfg, params, jc, kk, jc.team_lanes, None,
-                chat_workload.max_seq_len(jc.chat, jc.max_new_tokens), placed=placed,
-                prefix_cache=jc.prefix_cache)
-    warmup = warm_engines(engines)   # before any pass: no depth switch compiles while timed
+            engines[("chat", kk)] = make_engine(cfg, params, jc, kk, jc.team_lanes, None, shape,
+                                                placed=placed, prefix_cache=jc.prefix_cache)
+    warmup = warm_engines(engines, log)   # before any pass: nothing compiles while timed
+    maps_warm = mappings()
     kernels = engines[(jc.workloads[0], 0)].kernels
     gate_w = "team" if "team" in plans else jc.workloads[0]
     gp = prompts[:jc.gate_prompts]
@@ -736,45 +809,48 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
         # both heads at the fixed depth K: an adaptive depth would differ between the heads
         # and blur what is compared (the programs are the candidate's, already compiled)
         fixed = dataclasses.replace(jc, adaptive=False)
-        heads = {head: make_engine(cfg, tree, fixed, k, lanes, pool[gate_w], max_seq_len)
+        heads = {head: make_engine(cfg, tree, fixed, k, lanes, pool[gate_w], shape)
                  for head, tree in ((head_weights(params), params), other)}
         fp8["mtp_acceptance"] = {"workload": gate_w, "lanes": lanes,
                                  **mtp_head_acceptance(heads, gp, jc)}
         del heads, other
         fp8["wall_s"] += time.perf_counter() - t_fp8
 
-    total = (len(plans) + (jc.chat is not None)) * 2 * (1 + jc.passes) + 3
-    bar = tqdm(total=total, desc="judge", disable=not jc.progress, leave=False)
     results = {w: {"stock": [], "candidate": []} for w in plans}
     warm, policy = {}, {}
+    name = lambda kk: "stock" if kk == 0 else "candidate"
     for w, (lanes, reqs) in plans.items():
         params_w = workload_params(jc, len(reqs))
+        log(f"{w}: untimed pass ({len(reqs)} requests, {lanes} lane{'s' * (lanes > 1)})")
         for kk in (0, k):
             warm[(w, kk)] = timed_generate(engines[(w, kk)], reqs, params_w)
-            bar.update(1)
         for p in range(jc.passes):
             order = (0, k) if p % 2 == 0 else (k, 0)
+            got = {}
             for kk in order:
                 r = timed_generate(engines[(w, kk)], reqs, params_w)
-                results[w]["stock" if kk == 0 else "candidate"].append(r)
-                bar.update(1)
+                results[w][name(kk)].append(r)
+                got[kk] = r["tok_s"]
+            log(f"{w}: pass {p + 1}/{jc.passes}: stock {got[0]:.0f} tok/s, candidate "
+                f"{got[k]:.0f} tok/s, ratio {got[k] / got[0]:.3f}")
         policy[w] = policy_report(engines[(w, k)])   # before the gate runs add to it
     chat = None
     if jc.chat is not None:
         chat_params = workload_params(jc, jc.chat.conversations)
         chat_runs = {0: [], k: []}
+        log(f"chat: untimed pass ({jc.chat.conversations} conversations x {jc.chat.turns} turns)")
         for kk in (0, k):                                  # untimed: depth costs, caches
             chat_workload.run_pass(engines[("chat", kk)], chat_system, chat_users, chat_params)
-            bar.update(1)
         for p in range(jc.passes):
             for kk in ((0, k) if p % 2 == 0 else (k, 0)):
                 chat_runs[kk].append(chat_workload.run_pass(
                     engines[("chat", kk)], chat_system, chat_users, chat_params))
-                bar.update(1)
+            log(f"chat: pass {p + 1}/{jc.passes}")
         chat = chat_workload.summarize(chat_runs[0], chat_runs[k], jc.chat, jc.team_lanes)
         chat["greedy_agreement"] = (gate.greedy_agreement(
             [o.token_ids for o in chat_runs[k][0]["outs"]],
             [o.token_ids for o in chat_runs[0][0]["outs"]]) if jc.temperature == 0.0 else None)
+    log(f"gate: sampled replies ({len(gp)} prompts), scoring, fidelity")
 
     # ---- gate: sampled replies (likelihood, argmax, sampled agreement) on the team engines
     sp = [SamplingParams(temperature=jc.sample_temperature, max_new_tokens=jc.max_new_tokens,
@@ -783,12 +859,11 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
     for kk in (0, k):   # each engine in its own memory phase
         outs, peak[kk] = generate_measuring_memory(engines[(gate_w, kk)], gp, sp)
         rep[kk] = [o.token_ids for o in outs]
-        bar.update(1)
-    lp_c, am_c = score_replies(cfg, params, gp, rep[k])
-    lp_s, am_s = score_replies(cfg, params, gp, rep[0])
+    score_len = max(len(p) for p in gp) + jc.max_new_tokens    # one scoring program
+    lp_c, am_c = score_replies(cfg, params, gp, rep[k], score_len)
+    lp_s, am_s = score_replies(cfg, params, gp, rep[0], score_len)
     fid = fidelity(cfg, params, texts, jc, kernels)
-    bar.update(1)
-    bar.close()
+    log("fidelity done; writing the card")
 
     # greedy agreement from the throughput workloads when greedy, else from a greedy run
     if jc.temperature == 0.0:
@@ -875,6 +950,13 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
             "num_speculative_tokens": k, "adaptive": jc.adaptive,
             "policy": engines[(jc.workloads[0], k)].stats().get("policy"),
             "mtp_head": jc.mtp_head, "warmup": warmup,
+            "lane_slots": shape.lane_slots, "lane_buckets": list(shape.lane_buckets),
+            "max_seq_len": shape.max_seq_len,
+            "memory_mappings": {"after_load": maps_loaded, "after_warmup": maps_warm,
+                                "peak": max(log.peak_mappings, mappings() or 0),
+                                "limit": map_limit(),
+                                "how": "lines of /proc/self/maps, sampled at every progress "
+                                       "line and at the end"},
             "weights": jc.weights, "mtp_weights": jc.mtp_weights,
             "kernels": kernels, "passes": jc.passes, "max_new_tokens": jc.max_new_tokens,
             "temperature": jc.temperature, "sample_temperature": jc.sample_temperature,

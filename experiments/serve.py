@@ -605,8 +605,16 @@ def load_server(flag_values=FLAGS) -> Server:
         raise SystemExit(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
                          f"{cfg.vocab_size}")
     if f.warmup:
+        from experiments.progress import Progress, program_name
         t0 = time.perf_counter()
-        n = engine.warmup() + warm_prefill(engine)
+        log = Progress("serve")
+        plan = engine.warmup_plan()
+        log(f"compiling the {len(plan)} programs a run can launch (a first run on a CPU takes "
+            "a few seconds each; later runs load them from the compilation cache)")
+        done = iter(range(1, len(plan) + 1))
+        n = engine.warmup(progress=lambda key, sec: log(
+            f"compiling {next(done)}/{len(plan)}: {program_name(key)} {sec:.1f} s"))
+        n += warm_prefill(engine)
         print(f"[serve] warmup: {n} programs in {time.perf_counter() - t0:.1f}s",
               file=sys.stderr, flush=True)
     name = f.served_model_name or os.path.basename(os.path.normpath(path))

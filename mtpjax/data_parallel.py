@@ -123,9 +123,15 @@ class DataParallelEngine:
         for e in self.replicas:
             e.reset_timing(keys)
 
-    def warmup(self, depths: Sequence[int] | None = None, lanes: int | None = None) -> int:
-        """Engine.warmup on every replica; programs compiled in all."""
-        return sum(e.warmup(depths, lanes) for e in self.replicas)
+    def warmup(self, depths: Sequence[int] | None = None, lanes: int | None = None,
+               progress=None) -> int:
+        """Engine.warmup on every replica; programs run in all."""
+        return sum(e.warmup(depths, lanes, progress) for e in self.replicas)
+
+    def warmup_plan(self, depths: Sequence[int] | None = None,
+                    lanes: int | None = None) -> list[tuple]:
+        """Engine.warmup_plan of every replica, concatenated."""
+        return [key for e in self.replicas for key in e.warmup_plan(depths, lanes)]
 
     @property
     def depth_steps(self) -> list[int]:

@@ -22,9 +22,12 @@ Device state: `model.Cache` with a `PagedKV` pool per full-attention layer and f
 The page table (kv_pool.PageAllocator.table) is sent with every program call.
 
 Compiled programs: one prefill program per chunk bucket (default 8, 16, ... prefill_chunk) and one
-decode program per (draft depth used (0..K), lane bucket 1, 2, 4, ... max_lanes): a step runs
-only the lane slots up to the highest busy lane, rounded up to a bucket, so idle lanes cost
-nothing; `stats()["compiled_programs"]`. `warmup()` compiles every decode program up front.
+decode program per (draft depth used (0..K), lane bucket: default 1, 2, 4, ... max_lanes, or
+`lane_buckets`): a step runs only the lane slots up to the highest busy lane, rounded up to a
+bucket, so idle lanes cost nothing; `stats()["compiled_programs"]`. `warmup()` compiles every
+program a run can reach up front. Programs are keyed by shapes, so engines that agree on
+lane_slots, pool_pages, max_seq_len, page_size and K share them (the judge builds its engines
+that way: one program set for every workload).
 """
 
 from __future__ import annotations
@@ -75,6 +78,19 @@ def _check_placed(cfg: Config, params: Params, mesh) -> None:
                              "tensor_parallel.place_params")
 
 
+def _lane_buckets(max_lanes: int, lane_slots: int, given: Sequence[int] | None) -> tuple:
+    """The decode lane buckets: given (checked), else 1, 2, 4, ... below max_lanes, and
+    max_lanes."""
+    if given is None:
+        return tuple(sorted({min(1 << (n - 1).bit_length(), max_lanes)
+                             for n in range(1, max_lanes + 1)}))
+    out = tuple(sorted({int(b) for b in given}))
+    if not out or out[0] < 1 or out[-1] > lane_slots or out[-1] < max_lanes:
+        raise ValueError(f"lane_buckets must be positive, at most lane_slots={lane_slots} and "
+                         f"reach max_lanes={max_lanes}, got {list(given)}")
+    return tuple(b for b in out if b < max_lanes) + (min(b for b in out if b >= max_lanes),)
+
+
 def _buckets(limit: int) -> list[int]:
     b, out = 8, []
     while b < limit:
@@ -108,6 +124,21 @@ class Engine:
     depth0_fills_mtp_kv: a depth-0 step of a K > 0 engine writes the MTP KV of the pair it
       commits (True) or is the stock step (False, default: later drafts attend the stale
       entries, a measured acceptance cost of about nothing; see steps.py).
+
+    Shapes and programs. Every compiled program is keyed by the shapes of what it takes, so
+    these set how many programs a run compiles (each costs seconds to compile and, on XLA:CPU,
+    some 600 of the process's 65,530 memory mappings):
+    max_lanes: requests decoded together (the rest wait in the queue).
+    lane_slots: lane slots in the device state (GDN state, lane state, page table rows;
+      default max_lanes, at least max_lanes). Engines with different max_lanes but the same
+      lane_slots (and pool, context, K) share every compiled program.
+    lane_buckets: the lane counts a decode step is compiled for (default 1, 2, 4, ...
+      max_lanes): a step over n busy lanes runs the smallest bucket >= n, so each extra
+      bucket is one more program per draft depth. Idle lanes inside a bucket are padding
+      (nearly free when decode is memory-bound, compute on a CPU).
+    pool_pages: the device pool's pages (default num_pages, at least num_pages); the allocator
+      hands out num_pages of them, so engines with different page budgets can share a pool
+      shape, hence their programs.
     """
 
     def __init__(self, cfg: Config, params: Params, *, num_speculative_tokens: int = 0,
@@ -118,7 +149,9 @@ class Engine:
                  prefill_buckets: Sequence[int] | None = None,
                  tp: int = 1, devices: Sequence | None = None, mesh=None,
                  prefix_cache: bool = True, prefix_snapshots: int | None = None,
-                 snapshot_every_blocks: int = 4, depth0_fills_mtp_kv: bool = False):
+                 snapshot_every_blocks: int = 4, depth0_fills_mtp_kv: bool = False,
+                 lane_slots: int | None = None, lane_buckets: Sequence[int] | None = None,
+                 pool_pages: int | None = None):
         k = int(num_speculative_tokens)
         if k < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
@@ -126,6 +159,10 @@ class Engine:
             raise ValueError("num_speculative_tokens > 0 needs a checkpoint with an MTP head")
         if max_lanes < 1:
             raise ValueError(f"max_lanes must be >= 1, got {max_lanes}")
+        lane_slots = max_lanes if lane_slots is None else int(lane_slots)
+        if lane_slots < max_lanes:
+            raise ValueError(f"lane_slots ({lane_slots}) must be >= max_lanes ({max_lanes})")
+        self.lane_buckets = _lane_buckets(max_lanes, lane_slots, lane_buckets)
         if max_seq_len < 2 or max_seq_len > cfg.max_position_embeddings:
             raise ValueError(f"max_seq_len must be in [2, {cfg.max_position_embeddings}], "
                              f"got {max_seq_len}")
@@ -176,18 +213,23 @@ class Engine:
         num_pages = max_lanes * self.pages_per_lane if num_pages is None else num_pages
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-        self.page_size, self.num_pages = page_size, num_pages
-        self.alloc = PageAllocator(num_pages, page_size, max_lanes, self.pages_per_lane)
-        self.cache = tensor_parallel.init_paged_cache(cfg, mesh, max_lanes, num_pages,
+        pool_pages = num_pages if pool_pages is None else int(pool_pages)
+        if pool_pages < num_pages:
+            raise ValueError(f"pool_pages ({pool_pages}) must be >= num_pages ({num_pages})")
+        self.page_size, self.num_pages, self.pool_pages = page_size, num_pages, pool_pages
+        self.lane_slots = lane_slots
+        self.alloc = PageAllocator(num_pages, page_size, lane_slots, self.pages_per_lane,
+                                   pool_pages=pool_pages)
+        self.cache = tensor_parallel.init_paged_cache(cfg, mesh, lane_slots, pool_pages,
                                                       page_size, k + 1, self.dtype)
-        self.state = steps.LaneState.empty(max_lanes, k)
+        self.state = steps.LaneState.empty(lane_slots, k)
         if snapshot_every_blocks < 1:
             raise ValueError(f"snapshot_every_blocks must be >= 1, got {snapshot_every_blocks}")
         self.every_blocks = int(snapshot_every_blocks)
         self.prefix: PrefixCache | None = None
         self.snaps = None
         if prefix_cache:
-            slots = (min(max(2 * max_lanes, 4), 32) if prefix_snapshots is None
+            slots = (min(max(2 * lane_slots, 4), 32) if prefix_snapshots is None
                      else int(prefix_snapshots))
             if slots < 1:
                 raise ValueError(f"prefix_snapshots must be >= 1, got {slots}")
@@ -303,7 +345,8 @@ class Engine:
                                "start() without stop())")
         self._sched = Scheduler(self.alloc, k=self.k, max_seq_len=self.max_seq_len,
                                 prefill_chunk=self.prefill_chunk, policy=self.policy,
-                                on_token=on_token, prefix_cache=self.prefix)
+                                on_token=on_token, prefix_cache=self.prefix,
+                                lanes=self.max_lanes, bucket=self._bucket_of)
 
     def _session(self) -> Scheduler:
         if self._sched is None:
@@ -379,15 +422,21 @@ class Engine:
 
     # ---------------------------------------------------------------- pieces
     def _lane_sampling(self, sched: Scheduler, n: int | None = None) -> LaneSampling:
-        """Sampling settings of the first n lane slots (all when None); idle slots get defaults."""
+        """Sampling settings of the first n lane slots (every slot when None); idle slots get
+        defaults."""
+        n = self.lane_slots if n is None else n
+        lanes = sched.lanes + [None] * (self.lane_slots - len(sched.lanes))
         return LaneSampling.from_params(
-            [ln.req.params if ln is not None else SamplingParams() for ln in sched.lanes[:n]])
+            [ln.req.params if ln is not None else SamplingParams() for ln in lanes[:n]])
+
+    def _bucket_of(self, top: int) -> int:
+        return next(b for b in self.lane_buckets if b >= top)
 
     def lane_bucket(self, busy_lanes) -> int:
-        """Lane slots a decode step runs: the smallest bucket (1, 2, 4, ..., max_lanes) that
-        covers the highest busy lane. The scheduler fills the lowest free lane first."""
-        top = max(busy_lanes) + 1
-        return min(1 << (top - 1).bit_length(), self.max_lanes)
+        """Lane slots a decode step runs: the smallest of `lane_buckets` (default 1, 2, 4, ...,
+        max_lanes) that covers the highest busy lane. The scheduler fills the lowest free lane
+        first."""
+        return self._bucket_of(max(busy_lanes) + 1)
 
     def _run(self, sched: Scheduler, plan: Plan) -> None:
         for src, dst in plan.moves:
@@ -465,72 +514,105 @@ class Engine:
         if keys is None:
             self.depth_steps = [0] * (self.k + 1)
 
-    def warmup(self, depths: Sequence[int] | None = None, lanes: int | None = None) -> int:
-        """Compile, before any timed work, every program a run may need: the decode program
-        of every depth (default 0..K) for every lane bucket up to `lanes` (default max_lanes),
-        the prefill program of every chunk bucket (a preempted request re-prefills its prompt
-        and replies, a chunk length the first requests may never have used), the lane move
-        and, with the prefix cache, snapshot save and restore. So a policy switching depths,
-        or a preemption, never compiles mid-run.
+    def warmup_plan(self, depths: Sequence[int] | None = None,
+                    lanes: int | None = None) -> list[tuple]:
+        """The programs `warmup(depths, lanes)` would compile, as keys (see `stats()["programs"]`):
+        ("decode", depth, lane bucket) for every depth (default 0..K) and every lane bucket a
+        run of up to `lanes` (default max_lanes) busy lanes reaches, ("prefill", T) for every
+        chunk bucket, ("move_lane",) with more than one lane and ("snapshot_restore",),
+        ("snapshot",) with the prefix cache; minus those this engine already ran."""
+        depths = list(range(self.k + 1) if depths is None else depths)
+        for d in depths:
+            if not 0 <= d <= self.k:
+                raise ValueError(f"depth {d} outside 0..{self.k}")
+        top = self.max_lanes if lanes is None else min(int(lanes), self.max_lanes)
+        buckets = sorted({self.lane_bucket([b]) for b in range(top)})
+        keys = [("decode", d, nb) for nb in buckets for d in depths]
+        keys += [("prefill", T) for T in self.chunk_buckets]
+        if self.max_lanes > 1:
+            keys.append(("move_lane",))
+        if self.prefix is not None:
+            keys += [("snapshot_restore",), ("snapshot",)]
+        return [key for key in keys if key not in self._programs]
+
+    def shape_key(self, key: tuple = ("decode",)) -> tuple:
+        """What the compiled program `key` (a warmup_plan key) depends on besides the key
+        itself: two engines with equal shape keys run the same program (JAX compiles it once
+        per process), whatever their max_lanes, page budget or policy. Snapshot programs also
+        depend on the snapshot slots."""
+        snap = key[0].startswith("snapshot") and self.prefix is not None
+        return (self.cfg, self.k, self.kernels, str(self.dtype), self.lane_slots,
+                self.pool_pages, self.page_size, self.pages_per_lane, self.depth0_fills_mtp_kv,
+                self.mesh, self.prefix.num_slots if snap else None)
+
+    def warmup(self, depths: Sequence[int] | None = None, lanes: int | None = None,
+               progress: Callable[[tuple, float], None] | None = None) -> int:
+        """Compile, before any timed work, every program a run may need (`warmup_plan`): the
+        decode program of every depth (default 0..K) for every lane bucket up to `lanes`
+        (default max_lanes), the prefill program of every chunk bucket (a preempted request
+        re-prefills its prompt and replies, a chunk length the first requests may never have
+        used), the lane move and, with the prefix cache, snapshot save and restore. So a
+        policy switching depths, or a preemption, never compiles mid-run. progress(key,
+        seconds) is called after each program (compiled, loaded from the persistent cache, or
+        already compiled by an engine of the same `shape_key`).
 
         Nothing any request can see is touched: decode programs run with every lane idle
         (no lane state read or written); prefill programs run on lane 0 with a page table
         of no pages (every KV write is dropped) and as a non-final chunk (no LaneState
         written); what they leave in lane 0's GDN slot is never read, since a lane is always
         prefilled from position 0 (read as zeros) or restored from a snapshot when a request
-        is admitted to it. A snapshot is saved only into a free slot. Call it between
-        generate calls. Returns how many programs it compiled."""
+        is admitted to it. A snapshot is saved only into a free slot (with every slot in use,
+        save compiles on demand). Call it between generate calls. Returns how many programs
+        it ran."""
         if self._sched is not None:
             raise RuntimeError("warmup() cannot run inside generate()")
-        depths = range(self.k + 1) if depths is None else depths
-        top = self.max_lanes if lanes is None else min(int(lanes), self.max_lanes)
-        buckets = sorted({self.lane_bucket([b]) for b in range(top)})
         n = 0
-        for nb in buckets:
-            lanes_s = LaneSampling.from_params([SamplingParams()] * nb)
-            for d in depths:
-                if not 0 <= d <= self.k:
-                    raise ValueError(f"depth {d} outside 0..{self.k}")
-                key = ("decode", d, nb)
-                if key in self._programs:
-                    continue
-                self.cache, self.state, out, _ = steps.decode_step(
-                    self.cfg, self.params, self.cache, self.state, lanes_s,
-                    jnp.zeros(nb, bool), jnp.asarray(self.alloc.table[:nb]), k=d,
-                    kernels=self.kernels, mesh=self.mesh, fill_mtp_kv=self.depth0_fills_mtp_kv)
-                out.block_until_ready()
-                self._programs.add(key)
-                n += 1
-        lanes_all = LaneSampling.from_params([SamplingParams()] * self.max_lanes)
-        no_pages = jnp.full((1, self.pages_per_lane), -1, jnp.int32)
-        for T in self.chunk_buckets:
-            if ("prefill", T) in self._programs:
+        for key in self.warmup_plan(depths, lanes):
+            if key == ("snapshot",) and not self.prefix.free_slots:
                 continue
+            t0 = time.perf_counter()
+            self._warm_one(key)
+            self._programs.add(key)
+            n += 1
+            if progress is not None:
+                progress(key, time.perf_counter() - t0)
+        return n
+
+    def _warm_one(self, key: tuple) -> None:
+        """Run the program `key` once on inputs that touch nothing a request sees (warmup)."""
+        if key[0] == "decode":
+            _, d, nb = key
+            lanes_s = LaneSampling.from_params([SamplingParams()] * nb)
+            self.cache, self.state, out, _ = steps.decode_step(
+                self.cfg, self.params, self.cache, self.state, lanes_s,
+                jnp.zeros(nb, bool), jnp.asarray(self.alloc.table[:nb]), k=d,
+                kernels=self.kernels, mesh=self.mesh, fill_mtp_kv=self.depth0_fills_mtp_kv)
+            out.block_until_ready()
+        elif key[0] == "prefill":
+            T = key[1]
+            lanes_all = LaneSampling.from_params([SamplingParams()] * self.lane_slots)
+            no_pages = jnp.full((1, self.pages_per_lane), -1, jnp.int32)
             zeros = jnp.zeros((1, T), jnp.int32)
             self.cache, self.state, first = steps.prefill_chunk(
                 self.cfg, self.params, self.cache, self.state, lanes_all, jnp.int32(0), zeros,
                 zeros, jnp.int32(0), jnp.int32(T), jnp.bool_(False), no_pages, k=self.k,
                 kernels=self.kernels, mesh=self.mesh)
             first.block_until_ready()
-            self._programs.add(("prefill", T))
-            n += 1
-        if self.max_lanes > 1 and ("move_lane",) not in self._programs:
+        elif key == ("move_lane",):
             self.cache, self.state = steps.move_lane(self.cache, self.state, jnp.int32(0),
                                                      jnp.int32(0), mesh=self.mesh)
-            self._programs.add(("move_lane",))
-            n += 1
-        if self.prefix is not None and ("snapshot",) not in self._programs:
+            jax.block_until_ready(self.state)
+        elif key == ("snapshot_restore",):
             self.cache, self.snaps = snapshots.restore(self.cache, self.snaps, jnp.int32(0),
                                                        jnp.int32(0), mesh=self.mesh)
-            n += 1
-            if self.prefix.free_slots:   # else every slot is in use: save compiles on demand
-                self.cache, self.snaps = snapshots.save(
-                    self.cache, self.snaps, jnp.int32(0), jnp.int32(self.prefix.free_slots[-1]),
-                    mesh=self.mesh)
-                self._programs.add(("snapshot",))
-                n += 1
             jax.block_until_ready(self.cache)
-        return n
+        elif key == ("snapshot",):
+            self.cache, self.snaps = snapshots.save(
+                self.cache, self.snaps, jnp.int32(0), jnp.int32(self.prefix.free_slots[-1]),
+                mesh=self.mesh)
+            jax.block_until_ready(self.snaps)
+        else:
+            raise ValueError(f"unknown program {key!r}")
 
     def stats(self) -> dict:
         return {"compiled_programs": len(self._programs),
@@ -539,6 +621,8 @@ class Engine:
                 "cached_pages": self.alloc.held_pages,
                 "prefix_cache": None if self.prefix is None else self.prefix.report(),
                 "page_size": self.page_size, "pages_per_lane": self.pages_per_lane,
+                "pool_pages": self.pool_pages, "lane_slots": self.lane_slots,
+                "lane_buckets": list(self.lane_buckets),
                 "preemptions": self.preemptions, "max_lanes": self.max_lanes,
                 "max_seq_len": self.max_seq_len, "num_speculative_tokens": self.k,
                 "policy": type(self.policy).__name__, "depth_steps": list(self.depth_steps),

@@ -4,12 +4,13 @@ The device holds one pool of `num_pages` pages of `page_size` tokens per attenti
 layer and the MTP layer use the same page ids, so one page table per lane serves them all. This
 module owns that table as a numpy array, i32[max_lanes, pages_per_lane]: entry j of lane b is
 the page that holds the lane's positions [j * page_size, (j + 1) * page_size). Entries a lane
-does not own hold `num_pages` (out of range): `pallas_kernels.write_kv` drops writes routed
-there, so a missing reservation can never overwrite another lane's page.
+does not own hold the sentinel `pool_pages` (the device pool's size, by default `num_pages`:
+out of range): `pallas_kernels.write_kv` drops writes routed there, so a missing reservation
+can never overwrite another lane's page.
 
 The table is checked every time it is read (`PageAllocator.table`, which the engine reads
 before every program call): an owned entry outside [0, num_pages), an entry past the lane's
-pages that is not the `num_pages` sentinel, or a page held twice raises `CorruptPageTableError`
+pages that is not the sentinel, or a page held twice raises `CorruptPageTableError`
 naming the lane and entry. Inside a program nothing can raise, so the kernels add a backstop:
 rows that need a page id outside the pool come out NaN (pallas_kernels.paged_attention).
 
@@ -52,15 +53,18 @@ class CorruptPageTableError(ValueError):
                          f"{what}")
 
 
-def validate_page_table(table: np.ndarray, owned, num_pages: int, shared=None) -> None:
+def validate_page_table(table: np.ndarray, owned, num_pages: int, shared=None,
+                        sentinel: int | None = None) -> None:
     """Host-side check of a page table i32[lanes, pages_per_lane] against what each lane owns.
 
     Lane b owns entries [0, owned[b]): each must be a page id in [0, num_pages), and no page
     may appear twice in the whole table (except pages marked in `shared`, bool[num_pages]: the
-    prefix cache's read-only pages); every entry past them must be `num_pages` (the
-    sentinel whose writes are dropped). Raises CorruptPageTableError for the first violation.
+    prefix cache's read-only pages); every entry past them must be `sentinel` (default
+    num_pages; the device pool's size, so its writes are dropped). Raises
+    CorruptPageTableError for the first violation.
     Vectorised: a few microseconds for an engine's table, cheap enough for every step.
     """
+    sentinel = num_pages if sentinel is None else sentinel
     table = np.asarray(table)
     owned = np.asarray(owned)
     own = np.arange(table.shape[1])[None, :] < owned[:, None]
@@ -69,12 +73,12 @@ def validate_page_table(table: np.ndarray, owned, num_pages: int, shared=None) -
         b, j = map(int, np.argwhere(out)[0])
         raise CorruptPageTableError(b, j, int(table[b, j]),
                                     f"outside the pool [0, {num_pages})")
-    stray = ~own & (table != num_pages)
+    stray = ~own & (table != sentinel)
     if stray.any():
         b, j = map(int, np.argwhere(stray)[0])
         raise CorruptPageTableError(b, j, int(table[b, j]),
                                     f"past the lane's {int(owned[b])} owned page(s), where "
-                                    f"only the sentinel {num_pages} may stand")
+                                    f"only the sentinel {sentinel} may stand")
     ids = table[own]
     counts = np.bincount(ids, minlength=num_pages)
     dup = counts > 1
@@ -107,16 +111,27 @@ def tokens_touched_decode(pos: int, depth: int) -> int:
 
 
 class PageAllocator:
-    """Free list + per-lane page tables for a pool of `num_pages` pages."""
+    """Free list + per-lane page tables for a pool of `num_pages` pages.
 
-    def __init__(self, num_pages: int, page_size: int, max_lanes: int, pages_per_lane: int):
+    pool_pages: the device pool's size (default num_pages); the allocator hands out ids
+    [0, num_pages) only and marks unowned entries with `sentinel` = pool_pages, outside the
+    device pool, so their writes are dropped. A pool larger than the page budget lets engines
+    with different budgets share one pool shape, hence one set of compiled programs.
+    """
+
+    def __init__(self, num_pages: int, page_size: int, max_lanes: int, pages_per_lane: int,
+                 pool_pages: int | None = None):
+        pool_pages = num_pages if pool_pages is None else int(pool_pages)
         for name, v in (("num_pages", num_pages), ("page_size", page_size),
                         ("max_lanes", max_lanes), ("pages_per_lane", pages_per_lane)):
             if v < 1:
                 raise ValueError(f"{name} must be >= 1, got {v}")
+        if pool_pages < num_pages:
+            raise ValueError(f"pool_pages ({pool_pages}) must be >= num_pages ({num_pages})")
         self.num_pages, self.page_size = num_pages, page_size
+        self.sentinel = pool_pages
         self.max_lanes, self.pages_per_lane = max_lanes, pages_per_lane
-        self._table = np.full((max_lanes, pages_per_lane), num_pages, np.int32)
+        self._table = np.full((max_lanes, pages_per_lane), self.sentinel, np.int32)
         self._owned = [0] * max_lanes              # pages held by each lane (a table prefix)
         self._free = list(range(num_pages - 1, -1, -1))   # pop() hands out 0, 1, 2, ... first
         self._refs = np.zeros(num_pages, np.int32)      # holders: lane tables + cache holds
@@ -131,7 +146,8 @@ class PageAllocator:
     def table(self) -> np.ndarray:
         """The page table i32[max_lanes, pages_per_lane], validated on every read
         (`validate_page_table`): what the engine sends to the device is never corrupt."""
-        validate_page_table(self._table, self._owned, self.num_pages, self._frozen)
+        validate_page_table(self._table, self._owned, self.num_pages, self._frozen,
+                            self.sentinel)
         return self._table
 
     @property
@@ -213,7 +229,7 @@ class PageAllocator:
         or another lane still holds it); returns how many the lane held."""
         n = self._owned[lane]
         self._release(self._table[lane, :n][::-1])
-        self._table[lane] = self.num_pages
+        self._table[lane] = self.sentinel
         self._owned[lane] = 0
         return n
 
@@ -268,7 +284,7 @@ class PageAllocator:
             raise ValueError(f"cannot move lane {src} onto lane {dst}: it holds "
                              f"{self._owned[dst]} pages")
         self._table[dst], self._owned[dst] = self._table[src], self._owned[src]
-        self._table[src], self._owned[src] = self.num_pages, 0
+        self._table[src], self._owned[src] = self.sentinel, 0
 
     def free_page_ids(self) -> np.ndarray:
         return np.array(sorted(self._free), np.int32)
@@ -277,7 +293,8 @@ class PageAllocator:
         """Invariants (tests): the table is valid (`validate_page_table`); every page's
         reference count is its table entries plus its cache holds; the free list holds
         exactly the pages nobody holds, once each."""
-        validate_page_table(self._table, self._owned, self.num_pages, self._frozen)
+        validate_page_table(self._table, self._owned, self.num_pages, self._frozen,
+                            self.sentinel)
         owned = [int(p) for b in range(self.max_lanes) for p in self._table[b, :self._owned[b]]]
         uses = np.bincount(np.asarray(owned, np.int64), minlength=self.num_pages) + self._held
         if (uses != self._refs).any():

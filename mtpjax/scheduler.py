@@ -140,7 +140,7 @@ class StepView:
     K: int                    # the engine's draft slots: depths 0..K are allowed
     max_depth: int            # deepest depth whose pages are free now (deeper preempts)
     lanes: tuple[LaneView, ...]   # the decoding lanes, in lane order
-    bucket: int               # lane slots the step runs (1, 2, 4, ... <= max_lanes)
+    bucket: int               # lane slots the step runs (the engine's lane bucket)
     step: int                 # scheduler iteration
 
     @property
@@ -185,14 +185,21 @@ class Scheduler:
     def __init__(self, alloc: PageAllocator, *, k: int, max_seq_len: int, prefill_chunk: int,
                  policy: Policy | None = None,
                  on_token: Callable[[int, list[int]], None] | None = None,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, lanes: int | None = None,
+                 bucket: Callable[[int], int] | None = None):
         self.alloc, self.k, self.max_seq_len = alloc, k, max_seq_len
         self.chunk = prefill_chunk
         self.cache = prefix_cache
         self.every_blocks = prefix_cache.every_blocks if prefix_cache is not None else 0
         self.policy = policy or SpeculationPolicy()
         self.on_token = on_token
-        self.lanes: list[Lane | None] = [None] * alloc.max_lanes
+        # lanes: requests decoded together (default: every lane slot of the allocator);
+        # bucket(n): the lane slots a step over lanes 0..n-1 runs (the engine's lane buckets)
+        self.lanes: list[Lane | None] = [None] * (alloc.max_lanes if lanes is None else lanes)
+        if len(self.lanes) > alloc.max_lanes:
+            raise ValueError(f"{len(self.lanes)} lanes but the allocator has "
+                             f"{alloc.max_lanes} lane slots")
+        self.bucket = bucket or (lambda n: min(1 << (n - 1).bit_length(), len(self.lanes)))
         self.queue: list[Request] = []          # sorted by id
         self.finished: dict[int, RequestOutput] = {}
         self.cancelled: set[int] = set()
@@ -315,7 +322,7 @@ class Scheduler:
             view = StepView(self.k, max_depth, tuple(
                 LaneView(self.lanes[b].req.id, self.lanes[b].pos, self.lanes[b].drafts,
                          self.lanes[b].req.stats) for b in decode),
-                min(1 << (top - 1).bit_length(), self.alloc.max_lanes), self.step)
+                self.bucket(top), self.step)
             k = self.policy(view)
             if not (isinstance(k, int) and 0 <= k <= self.k):
                 raise ValueError(f"speculation policy returned {k!r}; it must return a depth "

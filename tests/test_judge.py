@@ -294,9 +294,12 @@ def test_memory_check_fails_a_candidate_with_a_much_bigger_pool_on_a_gpu(peaky_c
     real_devices, real_make = jax.devices, judge.make_engine
     monkeypatch.setattr(jax, "devices", lambda *a: [_FakeGpu(d) for d in real_devices(*a)])
 
-    def make_engine(cfg, params, jc, k, lanes, num_pages, max_seq_len, placed=None):
-        return real_make(cfg, params, jc, k, lanes, 4096 if k else num_pages, max_seq_len,
-                         placed=placed)
+    def make_engine(cfg, params, jc, k, lanes, num_pages, shape, placed=None, **kw):
+        if not k:
+            return real_make(cfg, params, jc, k, lanes, num_pages, shape, placed=placed, **kw)
+        return mtpjax.Engine(cfg, params, num_speculative_tokens=k, max_lanes=lanes,
+                             max_seq_len=shape.max_seq_len, kernels=jc.kernels,
+                             page_size=jc.page_size, num_pages=4096, prefix_cache=False)
 
     monkeypatch.setattr(judge, "make_engine", make_engine)
     card = _run_solo(peaky_ckpt, tmp_path, limits=gate.Limits(memory_slack_mib=8.0))
@@ -318,11 +321,11 @@ def test_memory_check_counts_what_the_candidates_run_allocates(peaky_ckpt, tmp_p
             finally:
                 del scratch
 
-    def make_engine(cfg, params, jc, k, lanes, num_pages, max_seq_len, placed=None):
+    def make_engine(cfg, params, jc, k, lanes, num_pages, shape, placed=None, **kw):
         cls = Hoarder if k else mtpjax.Engine
         return cls(cfg, params, num_speculative_tokens=k, max_lanes=lanes,
-                   max_seq_len=max_seq_len, kernels=jc.kernels, page_size=jc.page_size,
-                   num_pages=num_pages)
+                   max_seq_len=shape.max_seq_len, kernels=jc.kernels, page_size=jc.page_size,
+                   num_pages=num_pages, prefix_cache=False)
 
     monkeypatch.setattr(judge, "make_engine", make_engine)
     card = _run_solo(peaky_ckpt, tmp_path, limits=gate.Limits(memory_slack_mib=8.0))
