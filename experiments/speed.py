@@ -98,16 +98,23 @@ def hf_row(path: str, prompt, *, n_new: int, repeats: int):
 
 def main(argv):
     del argv
+    from experiments.progress import Progress
+    log = Progress("speed")
+    log(f"loading {FLAGS.checkpoint}")
     cfg, params = mtpjax.load_checkpoint(FLAGS.checkpoint, "float32")
     rng = np.random.default_rng(FLAGS.seed)
     prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, FLAGS.prompt_len)]
     kw = dict(n_new=FLAGS.max_new_tokens, kernels=FLAGS.kernels, repeats=FLAGS.repeats)
-    rows = [engine_row(cfg, params, prompt, lanes=1, k=0, **kw),
-            engine_row(cfg, params, prompt, lanes=FLAGS.lanes, k=0, **kw)]
+    cells = [(1, 0), (FLAGS.lanes, 0)]
     if FLAGS.num_speculative_tokens and cfg.has_mtp:
-        rows.append(engine_row(cfg, params, prompt, lanes=FLAGS.lanes,
-                               k=FLAGS.num_speculative_tokens, **kw))
+        cells.append((FLAGS.lanes, FLAGS.num_speculative_tokens))
+    rows = []
+    for lanes, k in cells:
+        log(f"engine lanes={lanes} k={k}: a first call (compiles its programs: a few seconds "
+            f"each on a CPU), then {FLAGS.repeats} timed calls")
+        rows.append(engine_row(cfg, params, prompt, lanes=lanes, k=k, **kw))
     if FLAGS.hf:
+        log("transformers generate (the peer), 1 and all threads")
         hf = hf_row(FLAGS.checkpoint, prompt, n_new=FLAGS.max_new_tokens,
                     repeats=FLAGS.repeats)
         if hf is not None:
