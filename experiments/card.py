@@ -120,9 +120,16 @@ def render_depth_md(c: dict) -> list[str]:
             lines.append(f"  - cost ms: {cells or 'none measured'}")
     wu = st.get("warmup")
     if wu:
-        lines += ["", "Engine warm-up (every decode program, before any timed work): "
+        lines += ["", "Engine warm-up (every program a run can launch, before any timed work; "
+                  "engines of one shape share programs, so later engines find them compiled): "
                   + ", ".join(f"{key} {v['programs']} programs in {v['seconds']:.1f} s"
                               for key, v in wu.items())]
+    mm = st.get("memory_mappings")
+    if mm:
+        lines += ["", f"Memory mappings (/proc/self/maps): {mm['after_load']} after loading, "
+                  f"{mm['after_warmup']} after the warm-up, peak {mm['peak']} of the kernel's "
+                  f"{mm['limit']} per process; lane buckets {st.get('lane_buckets')}, "
+                  f"{st.get('lane_slots')} lane slots, context {st.get('max_seq_len')}"]
     return lines
 
 

@@ -6,8 +6,12 @@ page pool. The candidate's depth policy (--adaptive, default on) picks each step
 in 0..K from measured step cost and acceptance (mtpjax.depth.AdaptiveDepth); --adaptive=false
 runs the fixed depth K whenever the pages allow. Order of work:
 
-  0. engine warm-up: `Engine.warmup()` compiles every decode program (every depth 0..K, every
-     lane bucket), so that a depth switch never compiles inside a timed pass
+  0. engine warm-up: `Engine.warmup()` compiles every program a run can launch (every depth
+     0..K at every lane bucket, prefill chunks, lane move, snapshots), so that nothing compiles
+     inside a timed pass. Every engine has one shape (EngineShape: lane slots, context, pool,
+     lane buckets at the workloads' lane counts), so all workloads share one program set
+     (32 by default; each XLA:CPU program holds ~500 of the process's 65,530 memory mappings,
+     which the card reports). Progress lines on stderr name each program, n of m.
   1. warm-up: every engine/workload pair runs once untimed (compiles the prefill shapes; the
      adaptive policy measures its first step costs here)
   2. passes: per workload, `--passes` passes alternating stock-first / candidate-first;
