@@ -102,6 +102,8 @@ flags.DEFINE_float("greedy_agreement_floor", None, "optional gate floor")
 flags.DEFINE_integer("seed", 0, "base seed of sampled requests")
 flags.DEFINE_bool("progress", True, "progress lines on stderr (loading, compiling n of m, "
                   "passes); --progress=false is quiet")
+flags.DEFINE_list("prefill_buckets", ["16", "64"], "padded prefill chunk lengths, one program "
+                  "each per K (the largest is the chunk length)")
 flags.DEFINE_list("lane_buckets", None, "lane counts the decode steps are compiled for "
                   "(default: the workloads' lane counts, e.g. 1,8,16); every engine shares "
                   "one set of programs")
@@ -150,6 +152,7 @@ class JudgeConfig:
     prefix_cache: bool = True   # the chat engines (both); each timed pass starts empty
     chat: chat_workload.ChatSpec | None = None   # the chat workload (None: not run)
     lane_buckets: tuple | None = None   # decode lane buckets (None: the workloads' lanes)
+    prefill_buckets: tuple = (16, 64)   # prefill chunk buckets; the largest is the chunk
 
 
 def _from_flags() -> JudgeConfig:
@@ -167,6 +170,7 @@ def _from_flags() -> JudgeConfig:
         fidelity_lanes=f.fidelity_lanes, seed=f.seed, progress=f.progress, tp=f.tp, dp=f.dp,
         prefix_cache=f.prefix_cache,
         lane_buckets=tuple(int(b) for b in f.lane_buckets) if f.lane_buckets else None,
+        prefill_buckets=tuple(int(b) for b in f.prefill_buckets),
         chat=(chat_workload.ChatSpec(f.chat_conversations, f.chat_turns, f.chat_system_tokens)
               if f.chat else None),
         limits=gate.Limits(f.greedy_agreement_floor, f.likelihood_bound, f.argmax_bound,
@@ -258,7 +262,8 @@ def make_engine(cfg, params, jc: JudgeConfig, k: int, lanes: int, num_pages: int
                               pool_pages=shape.lane_slots * per_lane,
                               lane_slots=shape.lane_slots,
                               lane_buckets=[b for b in shape.lane_buckets if b <= shape.lane_slots],
-                              prefix_cache=prefix_cache)
+                              prefill_chunk=max(jc.prefill_buckets),
+                              prefill_buckets=jc.prefill_buckets, prefix_cache=prefix_cache)
 
 
 MEMORY_HOW = ("each engine's own phase: peak bytes of the live device arrays its run holds "
@@ -504,13 +509,17 @@ def paged_path_logprobs(engine, prompt, cont, T: int):
         for b in range(B):
             alloc.reserve(b, min(end, total))
     table = alloc.table
-    lanes = LaneSampling.from_params([SamplingParams()] * B)
+    lanes = LaneSampling.from_params([SamplingParams()] * getattr(engine, "lane_slots", B))
     nxt = np.concatenate([prompt[:, 1:], cont[:, :1]], axis=1)
+    # the prompt right-padded to the engine's chunk bucket: its own prefill program
+    Tp = next((c for c in engine.chunk_buckets if c >= P), P)
+    pad = lambda a: np.pad(a, ((0, 0), (0, Tp - P)))
+    prompt_p, nxt_p = pad(prompt), pad(nxt)
     cache, state = engine.cache, engine.state
     for b in range(B):
         cache, state, _ = steps.prefill_chunk(
-            cfg, params, cache, state, lanes, jnp.int32(b), jnp.asarray(prompt[b:b + 1]),
-            jnp.asarray(nxt[b:b + 1]), jnp.int32(0), jnp.int32(P), jnp.bool_(True),
+            cfg, params, cache, state, lanes, jnp.int32(b), jnp.asarray(prompt_p[b:b + 1]),
+            jnp.asarray(nxt_p[b:b + 1]), jnp.int32(0), jnp.int32(P), jnp.bool_(True),
             jnp.asarray(table[b:b + 1]), k=engine.k, kernels=engine.kernels)
     got = []
     for s in range(0, n, T):
@@ -524,7 +533,8 @@ def paged_path_logprobs(engine, prompt, cont, T: int):
     return np.concatenate(got, axis=1)
 
 
-def fidelity(cfg, params, texts, jc: JudgeConfig, kernels: str) -> float:
+def fidelity(cfg, params, texts, jc: JudgeConfig, kernels: str,
+             shape: EngineShape | None = None) -> float:
     """Mean |log p_verify - log p_decode| of the true next tokens over the fixed texts.
 
     Two engines as the judge runs them (page pool, page size, kernels), stock (k = 0) and
@@ -540,9 +550,16 @@ def fidelity(cfg, params, texts, jc: JudgeConfig, kernels: str) -> float:
     prompt = np.asarray([r[0] for r in rows], np.int32)
     cont = np.asarray([r[1] for r in rows], np.int32)                   # [R, n+1]
     B = min(jc.fidelity_lanes, len(rows))
-    engines = {T: mtpjax.Engine(cfg, params, num_speculative_tokens=T - 1, max_lanes=B,
-                                max_seq_len=P + n + 2, kernels=kernels, page_size=jc.page_size)
-               for T in (1, k + 1)}
+    if shape is not None and B <= shape.lane_slots and P + n + 2 <= shape.max_seq_len:
+        # the judge's shapes: its prefill programs serve the fidelity prefill too
+        fixed = dataclasses.replace(jc, adaptive=False, kernels=kernels, tp=1, dp=1)
+        engines = {T: make_engine(cfg, params, fixed, T - 1, B, None, shape)
+                   for T in (1, k + 1)}
+    else:
+        engines = {T: mtpjax.Engine(cfg, params, num_speculative_tokens=T - 1, max_lanes=B,
+                                    max_seq_len=P + n + 2, kernels=kernels,
+                                    page_size=jc.page_size)
+                   for T in (1, k + 1)}
     diffs = []
     for i in range(0, len(rows), B):
         real = np.arange(i, i + B) < len(rows)
@@ -866,7 +883,7 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
     score_len = max(len(p) for p in gp) + jc.max_new_tokens    # one scoring program
     lp_c, am_c = score_replies(cfg, params, gp, rep[k], score_len)
     lp_s, am_s = score_replies(cfg, params, gp, rep[0], score_len)
-    fid = fidelity(cfg, params, texts, jc, kernels)
+    fid = fidelity(cfg, params, texts, jc, kernels, shape if jc.tp * jc.dp == 1 else None)
     log("fidelity done; writing the card")
 
     # greedy agreement from the throughput workloads when greedy, else from a greedy run

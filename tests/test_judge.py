@@ -26,9 +26,10 @@ SMALL = dict(passes=1, solo_requests=2, team_lanes=2, team_requests=4, busy_lane
              progress=False, limits=SMALL_LIMITS, k=1)
 # The smallest judge run (one workload): for checks that need an engine run, not the ratios.
 TINY = dict(SMALL, workloads=("solo",), solo_requests=1, gate_prompts=2, max_new_tokens=6,
-            fidelity_tokens=2)
-# TINY with SMALL's reply and fidelity lengths: its engines have the shapes of the end-to-end
-# run's solo engines, so the runs that follow it in this module reuse its compiled programs.
+            fidelity_tokens=2, lane_buckets=(1, 2))
+# TINY with SMALL's reply and fidelity lengths: with SMALL's lane buckets (so its 2 lane slots)
+# its engines have the shapes of the end-to-end run's engines (judge.EngineShape), so the runs
+# that follow it in this module reuse its compiled programs.
 SOLO = dict(TINY, max_new_tokens=SMALL["max_new_tokens"], fidelity_tokens=SMALL["fidelity_tokens"])
 
 
@@ -133,11 +134,17 @@ def test_judge_end_to_end_card(peaky_ckpt, tmp_path):
     st = on_disk["settings"]
     assert st["adaptive"] is True and st["policy"] == "AdaptiveDepth"
     assert st["mtp_head"] == "trained" and st["num_speculative_tokens"] == 1
-    # the warm-up compiled every depth of every lane bucket (solo 1; team, busy 1 and 2), the
-    # 4 prefill chunk buckets (8..64) and, with more than one lane, the lane move
-    assert st["warmup"]["solo/k=1"]["programs"] == 2 + 4
-    assert st["warmup"]["team/k=1"]["programs"] == 4 + 4 + 1
-    assert st["warmup"]["team/k=0"]["programs"] == 2 + 4 + 1
+    # the warm-up ran every depth of every lane bucket (solo 1; team, busy 1 and 2), the
+    # 2 prefill chunk buckets (16, 64) and, with more than one lane, the lane move ...
+    assert st["warmup"]["solo/k=1"]["programs"] == 2 + 2
+    assert st["warmup"]["team/k=1"]["programs"] == 4 + 2 + 1
+    assert st["warmup"]["team/k=0"]["programs"] == 2 + 2 + 1
+    # ... on one shape (2 lane slots for every workload), so that team's and busy's programs
+    # are one set, and solo's are among them
+    assert st["lane_slots"] == 2 and st["lane_buckets"] == [1, 2]
+    progs = st["compiled_programs"]
+    assert progs["busy/k=1"] == progs["team/k=1"] == 7 and progs["busy/k=0"] == 5
+    assert st["memory_mappings"]["peak"] >= st["memory_mappings"]["after_warmup"] > 0
     for w in ("solo", "team", "busy"):
         r = on_disk["policy"][w]["replicas"][0]
         assert on_disk["policy"][w]["name"] == "AdaptiveDepth"
