@@ -435,7 +435,7 @@ def warm_engines(engines: dict, log: Progress | None = None) -> dict:
     others find it compiled. `log` gets a line per program: n of m (distinct programs),
     what it is, seconds."""
     plans = {name: e.warmup_plan() for name, e in engines.items()}
-    keyed = lambda e, key: (_shape_key(e, key), key)
+    keyed = lambda e, key: (e.shape_key(key), key)
     distinct = {keyed(engines[name], key) for name, plan in plans.items() for key in plan}
     seen, out = set(), {}
     for (w, kk), e in engines.items():
@@ -449,11 +449,6 @@ def warm_engines(engines: dict, log: Progress | None = None) -> dict:
         n = e.warmup(progress=progress)
         out[f"{w}/k={kk}"] = {"programs": int(n), "seconds": time.perf_counter() - t0}
     return out
-
-
-def _shape_key(engine, key):
-    reps = getattr(engine, "replicas", None)
-    return tuple(r.shape_key(key) for r in reps) if reps is not None else engine.shape_key(key)
 
 
 def randomize_mtp_head(params, seed: int):
@@ -509,7 +504,7 @@ def paged_path_logprobs(engine, prompt, cont, T: int):
         for b in range(B):
             alloc.reserve(b, min(end, total))
     table = alloc.table
-    lanes = LaneSampling.from_params([SamplingParams()] * getattr(engine, "lane_slots", B))
+    lanes = LaneSampling.from_params([SamplingParams()] * engine.lane_slots)
     nxt = np.concatenate([prompt[:, 1:], cont[:, :1]], axis=1)
     # the prompt right-padded to the engine's chunk bucket: its own prefill program
     Tp = next((c for c in engine.chunk_buckets if c >= P), P)
@@ -838,13 +833,13 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
         fp8["wall_s"] += time.perf_counter() - t_fp8
 
     results = {w: {"stock": [], "candidate": []} for w in plans}
-    warm, policy = {}, {}
+    policy = {}
     name = lambda kk: "stock" if kk == 0 else "candidate"
     for w, (lanes, reqs) in plans.items():
         params_w = workload_params(jc, len(reqs))
         log(f"{w}: untimed pass ({len(reqs)} requests, {lanes} lane{'s' * (lanes > 1)})")
         for kk in (0, k):
-            warm[(w, kk)] = timed_generate(engines[(w, kk)], reqs, params_w)
+            timed_generate(engines[(w, kk)], reqs, params_w)
         for p in range(jc.passes):
             order = (0, k) if p % 2 == 0 else (k, 0)
             got = {}

@@ -128,6 +128,10 @@ class DataParallelEngine:
         """Engine.warmup on every replica; programs run in all."""
         return sum(e.warmup(depths, lanes, progress) for e in self.replicas)
 
+    def shape_key(self, key: tuple = ("decode",)) -> tuple:
+        """Engine.shape_key of every replica."""
+        return tuple(e.shape_key(key) for e in self.replicas)
+
     def warmup_plan(self, depths: Sequence[int] | None = None,
                     lanes: int | None = None) -> list[tuple]:
         """Engine.warmup_plan of every replica, concatenated."""

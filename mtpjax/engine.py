@@ -213,13 +213,10 @@ class Engine:
         num_pages = max_lanes * self.pages_per_lane if num_pages is None else num_pages
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
-        pool_pages = num_pages if pool_pages is None else int(pool_pages)
-        if pool_pages < num_pages:
-            raise ValueError(f"pool_pages ({pool_pages}) must be >= num_pages ({num_pages})")
-        self.page_size, self.num_pages, self.pool_pages = page_size, num_pages, pool_pages
-        self.lane_slots = lane_slots
+        self.page_size, self.num_pages, self.lane_slots = page_size, num_pages, lane_slots
         self.alloc = PageAllocator(num_pages, page_size, lane_slots, self.pages_per_lane,
-                                   pool_pages=pool_pages)
+                                   pool_pages=pool_pages)      # checks pool_pages >= num_pages
+        self.pool_pages = pool_pages = self.alloc.sentinel
         self.cache = tensor_parallel.init_paged_cache(cfg, mesh, lane_slots, pool_pages,
                                                       page_size, k + 1, self.dtype)
         self.state = steps.LaneState.empty(lane_slots, k)
