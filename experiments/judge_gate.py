@@ -13,10 +13,14 @@ from typing import Sequence
 import numpy as np
 
 Z95 = 1.96
+DTYPES = ("float32", "bfloat16")
 
 
 @dataclasses.dataclass(frozen=True)
 class Limits:
+    """The gate's limits (defaults: ../shared/spec/judge.md). greedy_agreement_floor None =
+    the dtype's default (`greedy_floor`): 1.0 in float32, none in bfloat16; 0.0 turns the
+    check off."""
     greedy_agreement_floor: float | None = None
     likelihood_bound: float = 0.05
     argmax_bound: float = 0.01
@@ -24,6 +28,26 @@ class Limits:
     length_margin: float = 0.05
     memory_slack_mib: float = 4096.0
     busy_page_use_floor: float = 0.9
+
+
+def greedy_floor(limits: Limits, dtype: str | None) -> float | None:
+    """The greedy-agreement floor the gate applies to a run computed in `dtype`.
+
+    An explicit `limits.greedy_agreement_floor` wins. Otherwise, in float32, 1.0: speculation
+    is lossless, so greedy speculative replies equal greedy stock replies token for token
+    (judge.md; every float32 card so far measured 1.0), and one diverging token is a bug
+    (a rejected draft kept, a cache slot not rolled back). In bfloat16, none (reported only):
+    the verify step (k+1 rows) and the stock step (1 row) round differently, a near-tie
+    flips and the common prefix, hence the metric, ends there; no bf16 run has measured how
+    often, so any floor would be a guess. dtype None (unknown): no default floor.
+    """
+    if limits.greedy_agreement_floor is not None:
+        return float(limits.greedy_agreement_floor)
+    if dtype is None:
+        return None
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {DTYPES} or None, got {dtype!r}")
+    return 1.0 if dtype == "float32" else None
 
 
 def geomean(xs: Sequence[float]) -> float:
@@ -83,8 +107,12 @@ def length_ratio(candidate_lengths: Sequence[int], stock_lengths: Sequence[int],
     return {"ratio": ratio, "low": float(low), "high": float(high)}
 
 
-def evaluate(m: dict, limits: Limits) -> dict:
+def evaluate(m: dict, limits: Limits, dtype: str | None = None) -> dict:
     """The gate: each check's value, limit and verdict, plus `reason` (first failure) and score.
+
+    dtype: the run's compute dtype ("float32" or "bfloat16"); it sets the default greedy
+    agreement floor (`greedy_floor`). `limits` in the result are the limits applied, that
+    floor resolved.
 
     m holds: memory {candidate_mib, stock_mib}, fidelity (float), likelihood {gap, se, ...},
     argmax {gap, se, ...}, greedy_agreement, sampled_agreement, lengths {wl: {ratio,low,high}},
@@ -108,8 +136,9 @@ def evaluate(m: dict, limits: Limits) -> dict:
     lk, am = m["likelihood"], m["argmax"]
     checks["likelihood"] = not interval_outside(lk["gap"], lk["se"], limits.likelihood_bound)
     checks["argmax"] = not interval_outside(am["gap"], am["se"], limits.argmax_bound)
-    if limits.greedy_agreement_floor is not None:
-        checks["greedy_agreement"] = m["greedy_agreement"] >= limits.greedy_agreement_floor
+    floor = greedy_floor(limits, dtype)
+    if floor is not None:
+        checks["greedy_agreement"] = m["greedy_agreement"] >= floor
     lo, hi = 1 - limits.length_margin, 1 + limits.length_margin
     checks["lengths"] = all(v["high"] >= lo and v["low"] <= hi for v in m["lengths"].values())
     order = ["busy_page_use", "memory", "fidelity", "likelihood", "argmax", "greedy_agreement",
@@ -121,6 +150,7 @@ def evaluate(m: dict, limits: Limits) -> dict:
         "memory": {"ok": checks["memory"], "peak_mib": m["memory"]["candidate_mib"],
                    "stock_peak_mib": m["memory"]["stock_mib"], "allowed_mib": allowed},
         "page_use": page_verdict,
+        "limits": dataclasses.asdict(dataclasses.replace(limits, greedy_agreement_floor=floor)),
         "reason": reason,
         "specscore": specscore,
         "score": specscore if reason is None else 0.0,
