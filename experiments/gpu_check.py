@@ -1,57 +1,110 @@
-"""`python -m experiments gpu_check [--smoke] [--out=gpu_check.json] [--budget_s=420]`.
+"""`python -m experiments gpu_check [--smoke] [--out=gpu_check.json] [--budget_s=480]`.
 
-One command for a GPU session: compiled kernel tests, kernel timings against HBM bandwidth and
-a full 27B-shaped decode / verify step against the weight floor. Parts run in this order, each
-time-boxed inside `--budget_s` (default 420 s; a model program already compiling when the
-budget runs out still finishes, so allow ~1 more minute — well under a 10-minute device call):
+One command for a GPU session: compiled kernel tests, kernel timings against HBM bandwidth,
+the tiny checkpoint's engine on the GPU against the CPU reference engine, and a full
+27B-shaped decode / verify / draft step against the weight floor and the cost model. Parts run
+in this order, each time-boxed inside `--budget_s` (default 480 s; a model program already
+compiling when the budget runs out still finishes, so allow ~1 more minute):
 
   1. pytest  `pytest tests/test_kernel_paged_attention.py tests/test_kernel_gated_delta.py
-             -k Compiled` in a subprocess with MTPJAX_TEST_PLATFORM=gpu (tests/conftest.py
-             otherwise pins the tests to CPU), BEFORE this process touches the GPU (JAX
-             preallocates most of the GPU memory in whichever process starts first). Those
-             files define their `...Compiled` subclasses only when the backend is gpu. The
-             part passes only if the tests ran on a gpu backend, at least one compiled test
-             ran, and none failed, errored or was skipped (read from a --junitxml report).
-  2. kernels Triton kernels alone, at 27B shapes (fp8_matmul: the MLP gate_up in FP8 at
-             T = 1 / 8 / 32; bytes = the FP8 weight + scales + x and y), each in one jitted program that calls the
+             tests/test_kernel_fp8_matmul.py -k Compiled` in a subprocess with
+             MTPJAX_TEST_PLATFORM=gpu (tests/conftest.py otherwise pins the tests to CPU),
+             BEFORE this process touches the GPU (JAX preallocates most of the GPU memory in
+             whichever process starts first). Those files define their `...Compiled`
+             subclasses only when the backend is gpu. The part passes only if the tests ran on
+             a gpu backend, at least one compiled test ran, and none failed, errored or was
+             skipped (read from a --junitxml report). Time-out --pytest_timeout_s (150 s).
+  2. kernels Triton kernels alone, at 27B shapes, each in one jitted program that calls the
              kernel L times on distinct buffers (L sized so that they exceed the 50 MB L2, so
-             nothing is served from cache) and reports the median time per call:
+             nothing is served from cache); the median time per call. Box --kernels_budget_s.
                paged_attention  NQ=24, NKV=4, HD=256, page 16, 8k context, B 1/8, q_len 1/2;
                                 bytes = the K and V pages read (B x 8k x 4 x 256 x 2 x 2 B)
-               gated_delta_verify  H=48, DK=DV=128, B 1/8, T 1/2 (P = T pending, all
+               gated_delta_verify  H=48, DK=DV=128, B 1/8/32, T 1/2 (P = T pending, all
                                 replayed); bytes = state read + write (2 x 3 MiB per lane)
                                 + the token inputs
                chunk_gated_delta   H=48, DK=DV=128, B=1, T 64 / 1024 (prefill chunks); bytes =
                                 q, k, v, g, beta read + o written + state read and write (it
                                 may well be compute-bound: the floor is only a memory floor)
-  3. model   `experiments.bench` on Qwen3.5-27B shapes with synthetic bf16 weights: all 64
+               fp8_matmul       the MLP gate_up in FP8 at T = 1 / 8 / 32; bytes = the FP8
+                                weight + scales + x and y
+             Target (--kernel_floor_target, 1.5): a memory-bound kernel (all but
+             chunk_gated_delta) within 1.5x of its floor at 4.8 TB/s, i.e. >= 3.2 TB/s, about
+             3/4 of the ~4.3 TB/s a device-to-device copy reaches on these H200s; only at
+             shapes whose floor is >= 20 us (--kernel_target_min_floor_us: paged attention at
+             B=8, verify at B=32, every fp8_matmul), below that launch and ramp-up dominate.
+  3. engine  the bundled tiny checkpoint (--engine_checkpoint) end to end through
+             `Engine.generate`: 4 short prompts x 32 greedy tokens, speculative at fixed depth
+             K = 4 (--engine_k, the judge's default). The reference engine (kernels=reference,
+             float32) runs on the CPU device (built and run under jax.default_device(cpu); the
+             part checks where its params and cache live); the engine under test runs the
+             Pallas kernels on the GPU in float32 and bfloat16 (--engine_dtypes). float32 must
+             give the reference's tokens exactly (a failure otherwise: the kernels, the
+             programs or the GPU's numerics break lossless speculation); bfloat16 reports its
+             agreement (the judge's greedy_agreement: common prefix / reference length, mean
+             over prompts, and the first diverging token per prompt), not gated. float32
+             engines run under jax.default_matmul_precision("float32"): a GPU's default for
+             float32 dots is TF32, which alone could change a greedy token. Box
+             --engine_budget_s (120 s); a dtype not started in it is skipped (not ok), and
+             a run without a float32 engine compared is not ok.
+  4. model   `experiments.bench` on Qwen3.5-27B shapes with synthetic bf16 weights: all 64
              layers when they fit the device's memory (they do on an H200: 54.6 GB), else the
              largest multiple of 4 that does; decode, verify (k+1 tokens) and draft at
              B = 1 then 8, context 1024, KV in the engine's page pool (--kv=paged, so the
              paged-attention kernel runs inside the model; if that fails, the part is rerun
              with --kv=contiguous and says so in `kv_fallback`). Target: decode and verify
              at B = 1 within 1.15x of the weight floor (51.25 GB / --hbm_gbps = 10.68 ms on
-             an H200).
+             an H200). Next to each timed step, the cost model's H200 prediction
+             (mtpjax/cost_model.py) and measured / predicted: decode against
+             CostModel.decode(0), draft against CostModel.draft, and the depth-k step
+             (bench's verify + k x draft) against CostModel.decode(k); reported, not gated.
 
 The model part reuses bench's flags (--batch_sizes, --context_lens, --num_speculative_tokens,
 --dtype, --kernels, --kv, --page_size, --iters, --hbm_gbps, --layers, --synthetic, --out) with
-gpu_check's own defaults. `--smoke` makes everything tiny for a CPU CI job (< 2 min): pytest
-only collects, kernels run in interpret mode at toy shapes, the model part is the random tiny
-config with interpret kernels and the paged pool. Explicit flags win over the smoke defaults.
+gpu_check's own defaults. `--smoke` makes everything tiny for a CPU CI job: pytest only
+collects, kernels run in interpret mode at toy shapes (every floor under 20 us: no kernel
+target), the engine part compares the Pallas interpreter (float32 only, 16 tokens) with the
+reference engine, the model part is the random tiny config with interpret kernels and the
+paged pool. On a CPU every floor target is "n/a" (the floors are an H200's) and does not fail
+the run. Explicit flags win over the smoke defaults.
 
-Needs a CUDA-enabled jaxlib on the GPU machine (the project venv here is CPU-only). On an H200
-expect roughly: pytest 1-2.5 min, kernels < 1 min, model 2-4 min (synthetic init ~15 s, then a
-compile of tens of seconds per program); everything is cut off by the budget above.
+`ok` is true, and the exit status 0, only when nothing failed, fell back or was skipped, the
+float32 engine matched the reference, and every kernel and step floor target was MET on the
+GPU: `failures` lists every reason otherwise, with the numbers. The report is written to
+`--out` after each part (with "partial": true), so a run cut off from outside keeps what it
+finished; the last stdout line is the JSON document.
 
-Writes `--out` and prints a summary table; the last stdout line is the JSON document. `ok` is
-true, and the exit status 0, only when nothing failed, fell back or was skipped: `failures`
-lists every reason otherwise (failing, skipped or no compiled tests, tests not on a GPU, the
-pytest time-out, a kernel or model error, a kernel or model entry skipped for the time budget,
-paged attention failing and the model part falling back to contiguous KV, no GPU backend).
+A 15-minute GPU window (the device tool: a machine's start, 1-4 min, and at most 600 s per
+command, all counted). The machine's image has Python 3.12 and JAX 0.11.2 with the CUDA 13
+plugin (this repo pins 0.10.2) and every package gpu_check and the kernel tests import (absl,
+numpy, ml_dtypes, safetensors, tokenizers, orbax-checkpoint, tensorstore, pytest): nothing to
+install, run the tree in place with its python3. Checked on the CPU for 0.11.2 (a Python 3.12
+venv with jax/jaxlib 0.11.2): `gpu_check --smoke` passes, and the engine part's programs
+(tiny checkpoint, kernels=pallas, float32 and bfloat16) lower for cuda through the Pallas
+Triton backend, which 0.11 deprecates (a warning) but keeps; deviceless, 0.11 needs an
+abstract "NVIDIA H200" device for that lowering, on the GPU it reads the real one. Name the
+H200 (the floors are an H200's, --hbm_gbps=4800, and 64 layers need its memory); one call,
+then give the machine back at once:
+
+    run(kind="nvidia-h200", timeout_s=590, command=
+        "set -o pipefail; export PYTHONPATH=$PWD PYTHONUNBUFFERED=1; nvidia-smi -L;
+         timeout -k 10 560 python3 -m experiments gpu_check --budget_s=480
+         --nocompilation_cache --out=$OUT/gpu_check.json 2>&1 | tee $OUT/gpu_check.log")
+
+(the command on one line). $OUT/gpu_check.json comes back even when the command is cut off
+(written after each part, "partial": true until the end). Expected on an H200: pytest 1-2.5
+min; kernels < 1.5 min (box 90 s); engine 1-2 min (the CPU reference compiles 2 programs of
+the 8-layer model, ~10 s each on 16 cores; each GPU dtype 2 programs with Triton kernels);
+model the rest of the 480 s (27B synthetic init ~15 s, then a compile of tens of seconds per
+step program; B = 1 first, so the two step targets come before B = 8). 480 s + one
+overrunning compile (<= 60 s) + start-up stays inside 560 s; with the machine's start that is
+<= 14 min. A part cut off by the budget is skipped and the run is not ok: rerun the rest in a
+later window with --parts (e.g. --parts=model). On an H100 (the tool's default kind) add
+--hbm_gbps=3350, or its floor targets are an H200's.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import gc
 import json
@@ -67,7 +120,8 @@ from functools import partial
 from absl import flags
 
 from experiments import bench  # defines the shared flags
-from experiments.gpu_check_report import failures, parse_junit, pytest_problems  # noqa: F401
+from experiments.gpu_check_report import (engine_verdict, finish, floor_target, kernel_label,
+                                          kernel_target, parse_junit, pytest_problems)
 
 FLAGS = flags.FLAGS
 FLAGS.set_default("out", "gpu_check.json")
@@ -75,14 +129,29 @@ FLAGS.set_default("synthetic", "27b")
 FLAGS.set_default("batch_sizes", ["1", "8"])
 FLAGS.set_default("context_lens", ["1024"])
 FLAGS.set_default("kv", "paged")   # the engine's storage: exercises paged attention in the model
+PARTS = ("pytest", "kernels", "engine", "model")
 flags.DEFINE_boolean("smoke", False, "tiny shapes, interpret kernels, few iters (CPU CI)")
-flags.DEFINE_float("budget_s", 420.0, "wall-clock budget for all parts together")
+flags.DEFINE_float("budget_s", 480.0, "wall-clock budget for all parts together")
 flags.DEFINE_float("pytest_timeout_s", 150.0, "time-out of the pytest part")
 flags.DEFINE_float("kernels_budget_s", 90.0, "time box of the kernel-timing part")
 flags.DEFINE_string("pytest_k", "Compiled", "pytest -k expression (the compiled subclasses)")
-flags.DEFINE_list("parts", ["pytest", "kernels", "model"], "parts to run")
+flags.DEFINE_list("parts", list(PARTS), "parts to run (any of: " + ", ".join(PARTS) + ")")
 flags.DEFINE_float("weight_floor_target", 1.15, "decode/verify at B=1 must be within this "
                    "factor of the weight floor")
+flags.DEFINE_float("kernel_floor_target", 1.5, "a memory-bound kernel (paged_attention, "
+                   "gated_delta_verify, fp8_matmul) must be within this factor of its HBM floor "
+                   "at --hbm_gbps, at every timed shape whose floor is at least "
+                   "--kernel_target_min_floor_us")
+flags.DEFINE_float("kernel_target_min_floor_us", 20.0, "shapes with a smaller floor are "
+                   "launch-bound: reported, no target")
+flags.DEFINE_string("engine_checkpoint", "checkpoints/tiny", "checkpoint of the engine part")
+flags.DEFINE_list("engine_dtypes", ["float32", "bfloat16"], "engine part: dtypes of the GPU "
+                  "engine (float32 must be greedy-equal to the CPU reference; the others are "
+                  "reported)")
+flags.DEFINE_integer("engine_k", 4, "engine part: draft slots K (the judge's default, "
+                     "experiments/judge.py JudgeConfig.k), fixed depth K every step")
+flags.DEFINE_integer("engine_max_new_tokens", 32, "engine part: greedy tokens per prompt")
+flags.DEFINE_float("engine_budget_s", 120.0, "time box of the engine part")
 
 import jax  # noqa: E402  (after the flag defaults; importing jax does not touch the GPU)
 import jax.numpy as jnp  # noqa: E402
@@ -98,13 +167,16 @@ L2_DEFEAT_BYTES = 256 << 20   # > 5x the H200's 50 MB L2
 MAX_CALLS = 64
 
 SMOKE_DEFAULTS = {"synthetic": "tiny", "layers": 4, "batch_sizes": ["1"], "context_lens": ["32"],
-                  "kernels": "interpret", "dtype": "float32", "iters": 2}
+                  "kernels": "interpret", "dtype": "float32", "iters": 2,
+                  # one interpret engine (each costs ~20-40 s of CPU compile): bf16 is a
+                  # reported-only number, and on a CPU it says nothing about the GPU's
+                  "engine_dtypes": ["float32"], "engine_max_new_tokens": 16}
 
 # (name, shapes) of the kernel part; the smoke shapes keep every code path, at toy size.
 KERNEL_SHAPES = {
     False: {"paged": dict(nq=24, nkv=4, hd=256, page=16, ctx=8192, batches=(1, 8), q_lens=(1, 2),
                           dtype="bfloat16"),
-            "verify": dict(h=48, dk=128, dv=128, batches=(1, 8), ts=(1, 2)),
+            "verify": dict(h=48, dk=128, dv=128, batches=(1, 8, 32), ts=(1, 2)),
             "chunk": dict(h=48, dk=128, dv=128, batch=1, ts=(64, 1024), chunk=64),
             # the 27B MLP gate_up (the largest linear) in FP8, 128 x 128 blocks
             "fp8": dict(o=34816, i=5120, ts=(1, 8, 32), dtype="bfloat16")},
@@ -336,7 +408,9 @@ def bench_fp8_matmul(t, s, interpret, iters, hbm_gbps, seed):
 
 
 def run_kernels(smoke: bool, interpret: bool, iters: int, hbm_gbps: float,
-                deadline: float) -> list[dict]:
+                deadline: float, backend: str) -> list[dict]:
+    """Time every kernel job; each row with a memory-floor target (kernel_target) gets it,
+    evaluated only on a GPU (elsewhere the floor is an H200's: n/a)."""
     s = KERNEL_SHAPES[smoke]
     jobs = []
     for b in s["paged"]["batches"]:
@@ -361,10 +435,16 @@ def run_kernels(smoke: bool, interpret: bool, iters: int, hbm_gbps: float,
             continue
         try:
             r = fn(interpret, iters, hbm_gbps, FLAGS.seed + 100 * i)
+            target = kernel_target(r, FLAGS.kernel_floor_target,
+                                   FLAGS.kernel_target_min_floor_us * 1e-6,
+                                   applies=backend == "gpu" and not interpret, backend=backend)
+            if target:
+                r["target"] = target
             rows.append(r)
             log(f"[kernels] {name}: {r['median_s'] * 1e6:.1f} us/call, "
                 f"{r['achieved_gbps']:.0f} GB/s, x{r['x_floor']:.2f} of floor "
-                f"({r['calls_per_program']} calls/program, first call {r['first_call_s']:.1f} s)")
+                f"({r['calls_per_program']} calls/program, first call {r['first_call_s']:.1f} s)"
+                + (f"; target x{target['target']}: {target['status']}" if target else ""))
         except Exception as e:  # noqa: BLE001 - record and go on with the other kernels
             rows.append({"kernel": name, "error": f"{type(e).__name__}: {e}"})
             log(f"[kernels] {name}: ERROR {type(e).__name__}: {e}")
@@ -373,7 +453,107 @@ def run_kernels(smoke: bool, interpret: bool, iters: int, hbm_gbps: float,
 
 
 # --------------------------------------------------------------------------------------------
-# 3. model
+# 3. engine
+# --------------------------------------------------------------------------------------------
+
+# Short prompts of different kinds (code, prose); each fits one 16-token prefill chunk.
+ENGINE_PROMPTS = ("def fibonacci(n):", "The capital of France is", "import numpy as np\n",
+                  "Once upon a time")
+ENGINE_CHUNK = 16
+
+
+def engine_settings(prompts: list[list[int]], max_new_tokens: int) -> dict:
+    """Engine kwargs that keep the program set small: one lane per prompt in one lane bucket,
+    one prefill bucket, no prefix cache (its snapshot programs are not what is checked)."""
+    n = len(prompts)
+    return dict(max_lanes=n, lane_buckets=(n,), prefill_chunk=ENGINE_CHUNK,
+                prefill_buckets=(ENGINE_CHUNK,), prefix_cache=False,
+                max_seq_len=max(len(p) for p in prompts) + max_new_tokens + 1)
+
+
+def matmul_precision(dtype: str):
+    """float32 engines compute their dots in full float32 (the reference's numerics): a GPU's
+    default for float32 dots is TF32 (10-bit mantissa), which would make the float32 engine
+    differ from the CPU reference for a reason that is not the kernels'. The Pallas kernels set
+    HIGHEST themselves in float32; this covers the model's own jnp dots."""
+    return (jax.default_matmul_precision("float32") if dtype == "float32"
+            else contextlib.nullcontext())
+
+
+def engine_tokens(path: str, dtype: str, kernels: str, k: int, prompts: list[list[int]],
+                  max_new_tokens: int) -> dict:
+    """Greedy replies of an Engine (fixed depth k) built on the default device, with the
+    platform its params and cache live on (a check that the reference really ran on the CPU
+    and the candidate on the GPU)."""
+    from mtpjax.engine import Engine
+    from mtpjax.sampling import SamplingParams
+    t = time.monotonic()
+    with matmul_precision(dtype):
+        eng = Engine.from_checkpoint(path, dtype, k, kernels=kernels,
+                                     **engine_settings(prompts, max_new_tokens))
+        outs = eng.generate(prompts, SamplingParams(max_new_tokens=max_new_tokens))
+    bad = [o.error for o in outs if o.error]
+    if bad:
+        raise RuntimeError(f"a request failed: {bad[0]}")
+    leaves = jax.tree.leaves(eng.params) + jax.tree.leaves(eng.cache)
+    platforms = sorted({d.platform for x in leaves for d in x.devices()})
+    return {"dtype": dtype, "kernels": kernels, "platform": ",".join(platforms),
+            "device": str(jax.tree.leaves(eng.params)[0].devices().pop()),
+            "matmul_precision": "float32" if dtype == "float32" else "default",
+            "seconds": time.monotonic() - t, "depth_steps": list(eng.depth_steps),
+            "tokens": [list(o.token_ids) for o in outs]}
+
+
+def run_engine(smoke: bool, deadline: float) -> dict:
+    """The tiny checkpoint end to end: the reference engine (kernels="reference", float32,
+    params, cache and programs on the CPU device) against the engine under test (Pallas on the
+    GPU; the Pallas interpreter in --smoke) in each --engine_dtypes, greedy, speculative at
+    fixed depth K. float32 must give the reference's tokens exactly (gated); other dtypes
+    report their agreement (tokens equal up to the first divergence, per prompt)."""
+    from mtpjax.text import Tokenizer
+    path, k, n_new = FLAGS.engine_checkpoint, FLAGS.engine_k, FLAGS.engine_max_new_tokens
+    kernels = "interpret" if smoke else "pallas"
+    dtypes = list(FLAGS.engine_dtypes)
+    bad = [d for d in dtypes if d not in ("float32", "bfloat16")]
+    if bad or not dtypes:
+        raise ValueError(f"--engine_dtypes must list float32 and/or bfloat16, got {dtypes}")
+    tok = Tokenizer.from_checkpoint(path)
+    prompts = [tok.encode(t) for t in ENGINE_PROMPTS]
+    doc = {"checkpoint": path, "k": k, "policy": "fixed", "max_new_tokens": n_new,
+           "prompts": list(ENGINE_PROMPTS), "prompt_tokens": [len(p) for p in prompts],
+           "expect_platforms": not smoke, "runs": []}
+    log(f"[engine] {path}: reference (float32, kernels=reference) on the CPU, then "
+        f"kernels={kernels} in {', '.join(dtypes)}; K={k}, {len(prompts)} prompts x {n_new} "
+        "greedy tokens")
+    with jax.default_device(jax.devices("cpu")[0]):
+        doc["reference"] = engine_tokens(path, "float32", "reference", k, prompts, n_new)
+    ref = doc["reference"]
+    log(f"[engine] reference: {ref['seconds']:.1f} s on {ref['device']}, depth steps "
+        f"{ref['depth_steps']}")
+    for dtype in dtypes:
+        run = {"dtype": dtype, "kernels": kernels, "gated": dtype == "float32"}
+        if time.monotonic() > deadline:
+            run["skipped"] = "time budget"
+            log(f"[engine] {dtype} {kernels}: skipped (time budget)")
+        else:
+            try:
+                run = engine_verdict(ref, {**run, **engine_tokens(path, dtype, kernels, k,
+                                                                   prompts, n_new)})
+                c = run["comparison"]
+                log(f"[engine] {dtype} {kernels}: {run['seconds']:.1f} s on {run['device']}: "
+                    f"tokens {run['verdict']}, agreement {c['agreement']:.3f}, first "
+                    f"divergence per prompt {[p['first_divergence'] for p in c['per_prompt']]}")
+            except Exception as e:  # noqa: BLE001 - record and go on with the next dtype
+                traceback.print_exc()
+                run["error"] = f"{type(e).__name__}: {e}"
+                log(f"[engine] {dtype} {kernels}: ERROR {run['error']}")
+        doc["runs"].append(run)
+        gc.collect()
+    return doc
+
+
+# --------------------------------------------------------------------------------------------
+# 4. model
 # --------------------------------------------------------------------------------------------
 
 def fit_layers(cfg_full, dtype: str, max_batch: int, requested: int | None) -> tuple[int, dict]:
@@ -398,7 +578,58 @@ def fit_layers(cfg_full, dtype: str, max_batch: int, requested: int | None) -> t
     return n, {"bytes_limit": int(limit), "bytes_free": int(free), "layers_fit": n}
 
 
-def run_model(smoke: bool, deadline: float) -> dict:
+def predict_steps(cfg, results: list[dict], speculative: list[dict], k: int, weights: str,
+                  page_size: int, comparable: bool) -> dict:
+    """The cost model's H200 prediction (mtpjax/cost_model.py) next to each timed step of the
+    model part, and measured / predicted. Every lane sits at position C, so each of the B
+    lanes has C tokens cached.
+
+    decode: CostModel.decode(0, B, C...), the depth-0 engine step (the stock step);
+    draft:  CostModel.draft(B, C...), one chained MTP step;
+    verify: bench times the target forward over k+1 tokens alone, a program the engine never
+            launches on its own and the cost model does not price; the depth-k step it is
+            part of is compared instead, as bench's estimate verify + k x draft against
+            CostModel.decode(k, B, C...) (one row per B and C in `rows`).
+    Writes predicted_s / x_predicted (None for verify) into `results` and returns the table."""
+    from mtpjax.cost_model import CostModel
+    cm = CostModel(cfg=cfg, weights=weights, K=k, page_size=page_size)
+    rows = []
+    for r in results:
+        if "median_s" not in r:
+            continue
+        B, C = r["batch"], r["context_len"]
+        if r["program"] == "verify":
+            r["predicted_s"] = r["x_predicted"] = None
+            r["prediction"] = f"none alone: see the depth-{k} step in cost_model.rows"
+            continue
+        cost = cm.decode(0, B, [C] * B) if r["program"] == "decode" else cm.draft(B, [C] * B)
+        r["predicted_s"], r["x_predicted"] = cost.seconds, r["median_s"] / cost.seconds
+        rows.append({"program": r["program"], "batch": B, "context_len": C,
+                     "measured_s": r["median_s"], "predicted_s": cost.seconds,
+                     "x_predicted": r["median_s"] / cost.seconds,
+                     "predicted_bytes": cost.total_bytes,
+                     "predicted_kernels": getattr(cost, "kernels", None)})
+    for sp in speculative:
+        B, C = sp["batch"], sp["context_len"]
+        cost = cm.decode(k, B, [C] * B)
+        rows.append({"program": f"step depth {k} (verify + {k} x draft)", "batch": B,
+                     "context_len": C, "measured_s": sp["spec_step_estimate_s"],
+                     "predicted_s": cost.seconds,
+                     "x_predicted": sp["spec_step_estimate_s"] / cost.seconds,
+                     "predicted_bytes": cost.total_bytes,
+                     "predicted_kernels": getattr(cost, "kernels", None)})
+    hw = {f: getattr(cm.hw, f, None) for f in ("name", "hbm_bytes_per_s", "bf16_flops_per_s",
+                                                "launch_s", "program_s")}
+    return {"hardware": hw.pop("name"), **hw, "weights": weights, "K": k,
+            "layers": cfg.num_layers,
+            "comparable": comparable,
+            "note": ("measured on an H200-class GPU in bf16: the ratio tests the cost model"
+                     if comparable else "the prediction is an H200's in bf16; this run is not "
+                     "(device or dtype), so x_predicted is printed for format only"),
+            "rows": rows}
+
+
+def run_model(smoke: bool, deadline: float, backend: str) -> dict:
     dtype = bench.resolve_dtype(FLAGS.dtype)
     kernels = bench.resolve_kernels(FLAGS.kernels)
     batch_sizes = [int(x) for x in FLAGS.batch_sizes]
@@ -432,25 +663,67 @@ def run_model(smoke: bool, deadline: float) -> dict:
         kv = "contiguous"
         res = run(kv=kv)
     targets = []
+    applies = backend == "gpu" and kernels != "interpret"
     for r in res["results"]:
         if r.get("batch") == 1 and r["program"] in ("decode", "verify") and "median_s" in r:
             targets.append({"program": r["program"], "batch": 1, "context_len": r["context_len"],
                             "median_s": r["median_s"], "weight_floor_s": r["weight_floor_s"],
                             "x_weight_floor": r["x_weight_floor"],
-                            "target": FLAGS.weight_floor_target,
-                            "met": r["x_weight_floor"] <= FLAGS.weight_floor_target})
+                            **floor_target(r["x_weight_floor"], FLAGS.weight_floor_target,
+                                           applies, f"{kernels} kernels on {backend}")})
+    weights = "fp8" if quant.has_fp8(params) else "bf16"
+    try:
+        predicted = predict_steps(cfg, res["results"], res["speculative"], k, weights,
+                                  FLAGS.page_size, applies and dtype == "bfloat16")
+    except Exception as e:  # noqa: BLE001 - the timings stand without the prediction
+        traceback.print_exc()
+        predicted = {"error": f"{type(e).__name__}: {e}"}
     wbytes = bench.target_weight_bytes(params)
     del params
     gc.collect()
     return {**desc, "config": bench.config_summary(cfg), "dtype": dtype, "kernels": kernels,
             "num_speculative_tokens": k, "kv": kv, "kv_fallback": fallback, "memory": mem,
             "target_weight_bytes": wbytes, **res,
-            "weight_floor_targets": targets}
+            "weight_floor_targets": targets, "cost_model": predicted}
 
 
 # --------------------------------------------------------------------------------------------
 # Summary and main
 # --------------------------------------------------------------------------------------------
+
+def _engine_lines(e: dict) -> list[str]:
+    if "error" in e:
+        return [f"engine: ERROR {e['error']}"]
+    ref = e.get("reference", {})
+    out = [f"engine: {e['checkpoint']}, K={e['k']} fixed, {len(e['prompts'])} prompts x "
+           f"{e['max_new_tokens']} greedy tokens; reference float32 kernels=reference on "
+           f"{ref.get('device')} ({ref.get('seconds', 0):.1f} s)"]
+    for r in e["runs"]:
+        head = f"  {r['dtype']:9s} {r['kernels']:9s}"
+        if "comparison" not in r:
+            out.append(f"{head} {r.get('skipped') or r.get('error')}")
+            continue
+        c = r["comparison"]
+        gate = "gated: must be equal" if r["gated"] else "reported, not gated"
+        out.append(f"{head} on {r['device']}: agreement {c['agreement']:.3f}, first divergence "
+                   f"per prompt {[p['first_divergence'] for p in c['per_prompt']]} -> "
+                   f"{r['verdict']} ({gate}; {r['seconds']:.1f} s)")
+    return out
+
+
+def _cost_model_lines(cm: dict) -> list[str]:
+    if "error" in cm:
+        return [f"cost model: ERROR {cm['error']}"]
+    out = [f"cost model ({cm['hardware']}, {cm['weights']} weights, {cm['layers']} layers): "
+           f"measured / predicted" + ("" if cm["comparable"] else "  [n/a: " + cm["note"] + "]"),
+           f"  {'step':32s} {'B':>3s} {'ctx':>6s} {'measured ms':>12s} {'predicted ms':>13s} "
+           f"{'x pred':>7s}"]
+    for r in cm["rows"]:
+        out.append(f"  {r['program']:32s} {r['batch']:3d} {r['context_len']:6d} "
+                   f"{r['measured_s'] * 1e3:12.3f} {r['predicted_s'] * 1e3:13.3f} "
+                   f"{r['x_predicted']:7.2f}")
+    return out
+
 
 def summary_table(doc: dict) -> str:
     lab = "" if doc["roofline_applies"] else "  [roofline of an H200; not this device]"
@@ -460,7 +733,7 @@ def summary_table(doc: dict) -> str:
     if p:
         out.append(f"pytest   {p['mode']:12s} {'ok' if p['passed'] else 'FAILED':6s} "
                    f"{p['summary']}")
-    head = f"{'kernel':20s} {'shape':34s} {'us/call':>10s} {'GB/s':>8s} {'x floor':>8s}"
+    head = (f"{'kernel':55s} {'us/call':>10s} {'GB/s':>8s} {'x floor':>8s}  target")
     rows = doc.get("kernels") or []
     if rows:
         out += [head, "-" * len(head)]
@@ -468,31 +741,36 @@ def summary_table(doc: dict) -> str:
         if "median_s" not in r:
             out.append(f"{r['kernel']:55s} {r.get('skipped') or r.get('error')}")
             continue
-        if r["kernel"] == "paged_attention":
-            shape = f"B={r['batch']} q={r['q_len']} ctx={r['context_len']}"
-        elif r["kernel"] == "gated_delta_verify":
-            shape = f"B={r['batch']} T={r['tokens']} H={r['heads']}"
-        elif r["kernel"] == "fp8_matmul":
-            shape = f"T={r['tokens']} O={r['out']} I={r['inp']} fp8"
-        else:
-            shape = f"B={r['batch']} T={r['tokens']} H={r['heads']} chunk={r['chunk_size']}"
-        out.append(f"{r['kernel']:20s} {shape:34s} {r['median_s'] * 1e6:10.1f} "
-                   f"{r['achieved_gbps']:8.3g} {r['x_floor']:8.3g}")
+        t = r.get("target")
+        tgt = f"x{t['target']}: {t['status']}" if t else "none (reported)"
+        out.append(f"{kernel_label(r):55s} {r['median_s'] * 1e6:10.1f} "
+                   f"{r['achieved_gbps']:8.3g} {r['x_floor']:8.3g}  {tgt}")
+    if doc.get("engine"):
+        out += _engine_lines(doc["engine"])
     m = doc.get("model")
     if m and "results" in m:
         out.append(f"model: {m.get('name')} {m.get('layers')} layers, {m['dtype']}, "
                    f"kernels={m['kernels']}, kv={m['kv']}"
                    + (f"  ({m['kv_fallback']})" if m.get("kv_fallback") else ""))
         out.append(bench.format_table(m["results"], doc["device"]["backend"]))
-        na = "" if doc["roofline_applies"] else "  [n/a: not a GPU]"
         for t in m["weight_floor_targets"]:
             out.append(f"target {t['program']} B=1: {t['median_s'] * 1e3:.3g} ms = "
                        f"x{t['x_weight_floor']:.3f} of the weight floor "
                        f"{t['weight_floor_s'] * 1e3:.3g} ms (target x{t['target']}) -> "
-                       f"{'MET' if t['met'] else 'NOT MET'}{na}")
+                       f"{t['status']}")
+        if m.get("cost_model"):
+            out += _cost_model_lines(m["cost_model"])
     elif m:
         out.append(f"model: ERROR {m.get('error')}")
     return "\n".join(out)
+
+
+def _write_partial(doc: dict, t0: float) -> None:
+    """The report so far, after each part: a run killed by an outer time-out keeps its
+    finished parts."""
+    if FLAGS.out:
+        bench.write_json(FLAGS.out, {**doc, "partial": True,
+                                     "elapsed_s": time.monotonic() - t0})
 
 
 def main(argv):
@@ -503,6 +781,9 @@ def main(argv):
     if smoke:
         _apply_smoke_defaults()
     parts = list(FLAGS.parts)
+    unknown = [p for p in parts if p not in PARTS]
+    if unknown:
+        raise SystemExit(f"--parts: unknown {unknown}; choose from {', '.join(PARTS)}")
     doc = {"command": bench.command_line(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
            "smoke": smoke, "budget_s": FLAGS.budget_s, "parts": parts}
@@ -513,6 +794,7 @@ def main(argv):
                                    FLAGS.pytest_k)
         if not doc["pytest"]["passed"]:
             failed.append("pytest")
+        _write_partial(doc, t0)
 
     info = bench.device_info()
     doc["device"] = info
@@ -528,13 +810,25 @@ def main(argv):
         kdeadline = min(deadline, time.monotonic() + FLAGS.kernels_budget_s)
         log(f"[kernels] {'interpret' if interpret else 'compiled'}, budget "
             f"{kdeadline - time.monotonic():.0f} s")
-        doc["kernels"] = run_kernels(smoke, interpret, FLAGS.iters, FLAGS.hbm_gbps, kdeadline)
+        doc["kernels"] = run_kernels(smoke, interpret, FLAGS.iters, FLAGS.hbm_gbps, kdeadline,
+                                     info["backend"])
         if any("error" in r or "skipped" in r for r in doc["kernels"]):
             failed.append("kernels")
+        _write_partial(doc, t0)
+
+    if "engine" in parts:
+        edeadline = min(deadline, time.monotonic() + FLAGS.engine_budget_s)
+        try:
+            doc["engine"] = run_engine(smoke, edeadline)
+        except Exception as e:  # noqa: BLE001 - keep the other parts' results
+            traceback.print_exc()
+            doc["engine"] = {"error": f"{type(e).__name__}: {e}"}
+        gc.collect()
+        _write_partial(doc, t0)
 
     if "model" in parts:
         try:
-            doc["model"] = run_model(smoke, deadline)
+            doc["model"] = run_model(smoke, deadline, info["backend"])
         except Exception as e:  # noqa: BLE001 - keep the other parts' results
             traceback.print_exc()
             doc["model"] = {"error": f"{type(e).__name__}: {e}"}
@@ -545,9 +839,7 @@ def main(argv):
             failed.append("model")
 
     doc["elapsed_s"] = time.monotonic() - t0
-    doc["failed_parts"] = failed
-    doc["failures"] = failures(doc)
-    doc["ok"] = not failed and not doc["failures"]
+    doc.update(finish(doc, failed, PARTS))   # failures, failed_parts, ok
     log(summary_table(doc))
     for why in doc["failures"]:
         log(f"NOT OK: {why}")

@@ -1,7 +1,11 @@
-"""`python -m experiments gpu_check` can fail: tests not run on a GPU, skips and fallbacks are
-not ok. (The happy path, `gpu_check --smoke`, is in test_experiments_bench.py.)
+"""`python -m experiments gpu_check` can fail: tests not run on a GPU, skips and fallbacks, a
+float32 engine whose tokens differ from the CPU reference engine's, and a kernel or step floor
+target NOT MET are not ok; and `gpu_check --smoke` (every part, the engine part in interpret
+mode against the reference engine) runs on this CPU and is ok.
 
-The end-to-end runs are subprocesses started together (they overlap on 2 cores).
+The verdict logic is tested on crafted reports (gpu_check_report.py, pure functions); the
+end-to-end runs are subprocesses started together (they overlap on 2 cores; the smoke run, the
+longest, is about 2 min on 2 idle cores).
 """
 
 from __future__ import annotations
@@ -13,10 +17,13 @@ import sys
 
 import pytest
 
-from experiments.gpu_check_report import failures, parse_junit, pytest_problems
+from experiments.gpu_check_report import (compare_tokens, engine_verdict, failures, finish,
+                                          floor_target, kernel_target, parse_junit,
+                                          pytest_problems)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TIMEOUT_S = 300
+TIMEOUT_S = 480   # a hang guard for the three runs overlapping on 2 cores
+PARTS = ("pytest", "kernels", "engine", "model")
 
 
 def _junit(tmp_path, cases: str, backend="gpu") -> str:
@@ -81,6 +88,8 @@ def runs(tmp_path_factory):
         # the model part falls back to contiguous KV
         "skip_fallback": ["--smoke", "--parts=kernels,model", "--kernels_budget_s=0",
                           "--page_size=0", "--programs=decode", "--iters=1"],
+        # the happy path: every part, tiny, on this CPU
+        "smoke": ["--smoke"],
     }
     procs = {name: subprocess.Popen(
         [sys.executable, "-m", "experiments", "gpu_check", *args, f"--out={tmp / name}.json"],
@@ -146,3 +155,188 @@ def test_conftest_defaults_to_cpu_and_respects_jax_platforms(tmp_path):
     assert (rc, backend) == (0, "cpu"), out[-2000:]
     rc, backend, out = _pytest_with(tmp_path, MTPJAX_TEST_PLATFORM="auto", JAX_PLATFORMS="cpu")
     assert (rc, backend) == (0, "cpu"), out[-2000:]
+
+
+# --------------------------------------------------------------------------------------------
+# Floor targets, the engine gate and the verdict, on crafted reports
+# --------------------------------------------------------------------------------------------
+
+def _kernel_row(x_floor, floor_s=50e-6, kernel="paged_attention"):
+    return {"kernel": kernel, "batch": 8, "q_len": 1, "context_len": 8192,
+            "median_s": x_floor * floor_s, "floor_s": floor_s, "x_floor": x_floor,
+            "achieved_gbps": 1.0}
+
+
+def _step_target(program, x, applies=True):
+    return {"program": program, "batch": 1, "context_len": 1024, "median_s": x * 10.68e-3,
+            "weight_floor_s": 10.68e-3, "x_weight_floor": x,
+            **floor_target(x, 1.15, applies, "interpret kernels on cpu")}
+
+
+def _engine(ref_tokens, runs, expect_platforms=True):
+    ref = {"dtype": "float32", "kernels": "reference", "platform": "cpu", "device": "cpu:0",
+           "tokens": ref_tokens}
+    out = []
+    for dtype, tokens in runs:
+        run = {"dtype": dtype, "kernels": "pallas", "gated": dtype == "float32",
+               "platform": "gpu", "device": "cuda:0", "seconds": 1.0, "tokens": tokens}
+        out.append(engine_verdict(ref, run))
+    return {"checkpoint": "checkpoints/tiny", "k": 4, "expect_platforms": expect_platforms,
+            "reference": ref, "runs": out}
+
+
+REF = [[1, 2, 3, 4], [5, 6, 7]]
+
+
+def _gpu_doc(**over):
+    """A GPU run's report where everything passed: each test breaks one thing."""
+    doc = {"roofline_applies": True, "pytest": {"passed": True},
+           "kernels": [{**_kernel_row(1.2), "target": kernel_target(_kernel_row(1.2), 1.5,
+                                                                    20e-6, True, "gpu")}],
+           "engine": _engine(REF, [("float32", REF), ("bfloat16", REF)]),
+           "model": {"kv_fallback": None, "results": [{"program": "decode", "median_s": 1}],
+                     "weight_floor_targets": [_step_target("decode", 1.05),
+                                              _step_target("verify", 1.10)]}}
+    doc.update(over)
+    return doc
+
+
+def test_a_gpu_run_that_meets_every_target_is_ok():
+    v = finish(_gpu_doc(), [], PARTS)
+    assert v == {"failures": [], "failed_parts": [], "ok": True}
+
+
+def test_kernel_target_met_not_met_none_and_na():
+    assert kernel_target(_kernel_row(1.49), 1.5, 20e-6, True, "gpu")["status"] == "MET"
+    t = kernel_target(_kernel_row(2.0), 1.5, 20e-6, True, "gpu")
+    assert (t["met"], t["status"]) == (False, "NOT MET")
+    # launch-bound shape (floor 5 us < 20 us) and a kernel with no target (maybe compute-bound)
+    assert kernel_target(_kernel_row(9.0, floor_s=5e-6), 1.5, 20e-6, True, "gpu") is None
+    assert kernel_target(_kernel_row(9.0, kernel="chunk_gated_delta"), 1.5, 20e-6, True,
+                         "gpu") is None
+    na = kernel_target(_kernel_row(9.0), 1.5, 20e-6, False, "cpu")
+    assert na["met"] is None and na["status"].startswith("n/a")
+
+
+def test_failures_lists_a_not_met_kernel_target_with_its_numbers():
+    row = _kernel_row(2.0)
+    doc = _gpu_doc(kernels=[{**row, "target": kernel_target(row, 1.5, 20e-6, True, "gpu")}])
+    v = finish(doc, [], PARTS)
+    assert v["ok"] is False and v["failed_parts"] == ["kernels"]
+    assert v["failures"] == ["kernels: paged_attention B=8 q=1 ctx=8192: x2.000 of the floor, "
+                             "target <= x1.5 NOT MET"]
+
+
+def test_failures_lists_a_not_met_step_target_and_a_missing_one():
+    m = _gpu_doc()["model"]
+    doc = _gpu_doc(model={**m, "weight_floor_targets": [_step_target("decode", 1.05),
+                                                          _step_target("verify", 1.30)]})
+    v = finish(doc, [], PARTS)
+    assert v["ok"] is False and v["failed_parts"] == ["model"]
+    assert v["failures"] == ["model: verify B=1 C=1024 (weight floor): x1.300 of the floor, "
+                             "target <= x1.15 NOT MET"]
+    # on a GPU a step target that was never timed is not a pass either
+    doc = _gpu_doc(model={**m, "weight_floor_targets": [_step_target("decode", 1.05)]})
+    assert any("no verify step at B=1" in w for w in failures(doc))
+
+
+def test_floor_targets_are_na_and_not_failures_off_a_gpu():
+    m = _gpu_doc()["model"]
+    row = _kernel_row(9.0)
+    doc = _gpu_doc(roofline_applies=False,
+                   kernels=[{**row, "target": kernel_target(row, 1.5, 20e-6, False, "cpu")}],
+                   model={**m, "weight_floor_targets": [_step_target("decode", 700, False),
+                                                        _step_target("verify", 900, False)]})
+    assert finish(doc, [], PARTS)["ok"] is True
+    # ... but an n/a target in a report that says the roofline applies is not ok
+    doc["roofline_applies"] = True
+    assert any("target not evaluated on a GPU run" in w for w in failures(doc))
+
+
+def test_engine_comparison_on_a_crafted_mismatch():
+    c = compare_tokens(REF, [[1, 2, 9, 4], [5, 6]])
+    assert c["equal"] is False
+    assert [p["first_divergence"] for p in c["per_prompt"]] == [2, 2]
+    assert [(p["common_prefix"], p["reference_len"], p["len"]) for p in c["per_prompt"]] == [
+        (2, 4, 4), (2, 3, 2)]
+    assert c["agreement"] == pytest.approx((2 / 4 + 2 / 3) / 2)
+    # a longer reply is not equal either, though its agreement is 1
+    c = compare_tokens(REF, [[1, 2, 3, 4, 0], [5, 6, 7]])
+    assert (c["equal"], c["agreement"]) == (False, 1.0)
+    assert [p["first_divergence"] for p in c["per_prompt"]] == [4, None]
+    assert compare_tokens(REF, [list(r) for r in REF])["equal"] is True
+    with pytest.raises(ValueError, match="1 replies to compare with 2"):
+        compare_tokens(REF, [[1]])
+    ref = {"tokens": REF}
+    bad = [[1, 2, 9, 4], [5, 6, 7]]
+    assert engine_verdict(ref, {"gated": True, "tokens": bad})["verdict"] == "DIFFERENT"
+    assert engine_verdict(ref, {"gated": False, "tokens": bad})["verdict"] == "differs (reported)"
+    assert engine_verdict(ref, {"gated": True, "tokens": REF})["verdict"] == "equal"
+
+
+def test_a_float32_engine_mismatch_makes_ok_false():
+    bad = [[1, 2, 3, 4], [5, 8, 7]]
+    v = finish(_gpu_doc(engine=_engine(REF, [("float32", bad), ("bfloat16", REF)])), [], PARTS)
+    assert v["ok"] is False and v["failed_parts"] == ["engine"]
+    assert v["failures"] == ["engine: float32 pallas greedy tokens differ from the CPU reference "
+                             "engine's (prompt 1 at token 1; agreement 0.667)"]
+    # bfloat16 is reported, not gated
+    v = finish(_gpu_doc(engine=_engine(REF, [("float32", REF), ("bfloat16", bad)])), [], PARTS)
+    assert v["ok"] is True
+
+
+@pytest.mark.parametrize("change,expect", [
+    (lambda e: e.update(runs=[r for r in e["runs"] if r["dtype"] != "float32"]),
+     "no float32 engine was compared"),
+    (lambda e: e["reference"].update(platform="gpu"), "reference engine ran on gpu"),
+    (lambda e: e["runs"][0].update(platform="cpu"), "float32 pallas ran on cpu, not the GPU"),
+    (lambda e: e["runs"].__setitem__(0, {"dtype": "float32", "kernels": "pallas", "gated": True,
+                                          "skipped": "time budget"}),
+     "float32 pallas: skipped (time budget)"),
+    (lambda e: e["runs"].__setitem__(0, {"dtype": "float32", "kernels": "pallas", "gated": True,
+                                          "error": "XlaRuntimeError: boom"}),
+     "float32 pallas: XlaRuntimeError: boom"),
+])
+def test_the_engine_gate_is_not_passed_without_a_float32_gpu_run(change, expect):
+    doc = _gpu_doc()
+    change(doc["engine"])
+    v = finish(doc, [], PARTS)
+    assert v["ok"] is False and "engine" in v["failed_parts"]
+    assert any(expect in w for w in v["failures"]), v["failures"]
+
+
+def test_smoke_run_is_ok_and_reports_every_part(runs):
+    rc, doc, text = runs["smoke"]
+    assert rc == 0 and doc["ok"] is True, text[-4000:]
+    assert doc["smoke"] is True and doc["failed_parts"] == [] and doc["failures"] == []
+    assert doc["roofline_applies"] is False and "partial" not in doc
+    assert doc["pytest"]["mode"] == "collect-only" and doc["pytest"]["counts"]["tests"] > 0
+    assert {r["kernel"] for r in doc["kernels"]} == {
+        "paged_attention", "gated_delta_verify", "chunk_gated_delta", "fp8_matmul"}
+    assert all(r["median_s"] > 0 for r in doc["kernels"])
+    # the engine part: the Pallas interpreter in float32 against the reference engine, both on
+    # the CPU, greedy tokens equal (the gate), every prompt answered in full
+    e = doc["engine"]
+    ref = e["reference"]
+    assert (ref["kernels"], ref["dtype"], ref["platform"]) == ("reference", "float32", "cpu")
+    assert e["expect_platforms"] is False
+    assert [(r["dtype"], r["kernels"], r["gated"]) for r in e["runs"]] == [
+        ("float32", "interpret", True)]
+    run = e["runs"][0]
+    assert run["verdict"] == "equal" and run["comparison"]["agreement"] == 1.0
+    assert run["tokens"] == ref["tokens"]
+    assert [len(t) for t in ref["tokens"]] == [e["max_new_tokens"]] * len(e["prompts"])
+    assert run["depth_steps"][e["k"]] > 0 and sum(run["depth_steps"][:e["k"]]) == 0
+    # the model part: step targets n/a on a CPU (not failures); the cost model next to them
+    m = doc["model"]
+    assert m["kv"] == "paged" and m["kv_fallback"] is None
+    assert {t["program"] for t in m["weight_floor_targets"]} == {"decode", "verify"}
+    assert all(t["met"] is None and t["status"].startswith("n/a")
+               for t in m["weight_floor_targets"])
+    cm = m["cost_model"]
+    assert cm["comparable"] is False and cm["layers"] == m["layers"]
+    assert {r["program"].split(" ")[0] for r in cm["rows"]} == {"decode", "draft", "step"}
+    assert all(r["predicted_s"] > 0 for r in cm["rows"])
+    for part in ("gpu_check summary", "engine: checkpoints/tiny", "-> equal (gated",
+                 "-> n/a", "cost model ("):
+        assert part in text, part
