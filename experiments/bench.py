@@ -43,6 +43,16 @@ and `break_even_tokens_per_step` = that / decode is the mean emitted tokens per 
 markdown table with ratios to depth 0, tokens per verify step and the adaptive depth histogram
 (experiments/depth_sweep.py says how and why); `--out` defaults to runs/depth_sweep.json there.
 
+`--clock=h200`: nothing is timed. The step programs above are not the engine's programs (a
+speculative step is one program, `steps.decode_step` at depth d), so instead of timing them
+the bench prices, for every (B, C), the programs the engine launches as mtpjax/cost_model.py
+predicts them for Qwen3.5-27B on one H200 (`--weights=fp8`: FP8 linears; `--tp`): the decode
+step at every depth 0..k, one chained draft, and a prefill chunk of C tokens, with the bytes
+by term, FLOPs, kernels and seconds of each; `--checkpoint` / `--synthetic` do not matter
+there. The engine sweeps (`--sweep=lanes`, `--sweep=prefix`) build and time their own engines
+(experiments/depth_sweep.py, prefix_bench.py) and are not on the clock yet: they refuse
+`--clock=h200` rather than mix clocks (the judge, speed and serve_bench run engines on it).
+
 The last stdout line is the whole result as one JSON document; `--out` gets the same document.
 `experiments/gpu_check.py` imports this module and reuses its flags and functions.
 """
@@ -64,6 +74,7 @@ import jax.numpy as jnp
 import numpy as np
 from absl import flags
 
+from experiments import card as card_lib
 from experiments import depth_sweep, mesh_flags, prefix_bench, weight_flags
 from mtpjax import model, quant, tensor_parallel
 from mtpjax.config import FULL, LINEAR, Config, qwen3_5_27b
@@ -120,6 +131,7 @@ flags.DEFINE_integer("sweep_requests_per_lane", 2, "--sweep=lanes: greedy reques
                      "(L lanes serve L * this many requests)")
 flags.DEFINE_integer("sweep_new_tokens", 48, "--sweep=lanes: tokens generated per request")
 flags.DEFINE_integer("sweep_prompt_tokens", 32, "--sweep=lanes: prompt length (held-out text)")
+card_lib.define_clock_flag()
 flags.DEFINE_integer("sweep_passes", 2, "--sweep=lanes: timed passes per cell (interleaved "
                      "across depths; the cell reports the median)")
 
@@ -705,9 +717,88 @@ def prefix_main(log) -> None:
     print(json.dumps(doc), flush=True)
 
 
+def price_programs(batch_sizes, context_lens, k: int, *, weights: str = "bf16", tp: int = 1,
+                   page_size: int = 16) -> dict:
+    """--clock=h200: the cost model's price of the programs the engine launches for the 27B,
+    per (B, C): ("decode", d, B) for d = 0..k with B lanes each holding C tokens, ("draft", B)
+    and ("prefill", C) (a whole prompt of C tokens in one chunk), and per (B, C) the
+    break-even tokens per step of each depth (its price / depth 0's): what speculation at
+    depth d must emit per step to pay. Nothing is timed."""
+    from mtpjax.cost_model import CostModel
+    m = CostModel(weights=weights, tp=tp, K=k, page_size=page_size)
+    rows, spec = [], []
+    row = lambda key, b, c, cost, tokens: {
+        "program": key, "batch": b, "context_len": c, "seconds": cost.seconds,
+        "tokens_per_s": None if tokens is None else tokens / cost.seconds,
+        "bytes": dict(cost.bytes),
+        "total_bytes": cost.total_bytes, "must_read_bytes": cost.must_read_bytes,
+        "flops": cost.flops, "kernels": cost.kernels}
+    for b in batch_sizes:
+        for c in context_lens:
+            ctx = [c] * b
+            dec = [m.decode(d, b, ctx) for d in range(k + 1)]
+            # a depth-d step emits 1 + accepted drafts per lane: tokens/s only at depth 0
+            rows += [row(("decode", d, b), b, c, x, None if d else b) for d, x in enumerate(dec)]
+            if k:
+                rows.append(row(("draft", b), b, c, m.draft(b, ctx), None))
+            spec.append({"batch": b, "context_len": c, "k": k,
+                         "decode_s": [x.seconds for x in dec],
+                         "break_even_tokens_per_step": [x.seconds / dec[0].seconds for x in dec]})
+    rows += [row(("prefill", c), 1, 0, m.prefill(c), c) for c in context_lens]
+    return {"results": rows, "speculative": spec,
+            "hardware": {f: getattr(m.hw, f) for f in ("name", "hbm_bytes_per_s",
+                                                       "bf16_flops_per_s", "launch_s",
+                                                       "program_s")},
+            "sources": dict(m.hw.sources)}
+
+
+def format_prices(res: dict) -> str:
+    lines = [f"clock h200: {card_lib.predicted_words()}; nothing below was timed (tok/s: "
+             "depth 0 and prefill only; a deeper step's tokens depend on acceptance)",
+             f"{'program':18s} {'B':>3s} {'ctx':>6s} {'ms':>9s} {'tok/s':>10s} {'GB':>8s} "
+             f"{'GFLOP':>9s} {'kernels':>7s}"]
+    for r in res["results"]:
+        tps = "-" if r["tokens_per_s"] is None else f"{r['tokens_per_s']:.1f}"
+        lines.append(f"{str(r['program']):18s} {r['batch']:3d} {r['context_len']:6d} "
+                     f"{r['seconds'] * 1e3:9.3f} {tps:>10s} "
+                     f"{r['total_bytes'] / 1e9:8.3f} {r['flops'] / 1e9:9.1f} {r['kernels']:7d}")
+    lines.append("break-even tokens per step (depth d's price / depth 0's), d = 0..k:")
+    for sp in res["speculative"]:
+        lines.append(f"  B={sp['batch']} C={sp['context_len']}: "
+                     + ", ".join(f"d{d} {x:.3f}" for d, x in
+                                 enumerate(sp["break_even_tokens_per_step"])))
+    return "\n".join(lines)
+
+
+def clock_main(log) -> None:
+    """--clock=h200 without a sweep: price_programs over the flags' shapes; one table + JSON."""
+    batch_sizes = [int(x) for x in FLAGS.batch_sizes]
+    context_lens = [int(x) for x in FLAGS.context_lens]
+    weights = "fp8" if FLAGS.weights == "fp8" else "bf16"
+    res = price_programs(batch_sizes, context_lens, FLAGS.num_speculative_tokens,
+                         weights=weights, tp=FLAGS.tp, page_size=FLAGS.page_size)
+    doc = {"command": command_line(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "clock": "h200", "time": card_lib.predicted_words(FLAGS.tp),
+           "model": {"name": "qwen3_5_27b", "weights": weights, "tp": FLAGS.tp},
+           "num_speculative_tokens": FLAGS.num_speculative_tokens, **res}
+    log(format_prices(res))
+    write_json(FLAGS.out, doc)
+    if FLAGS.out:
+        log(f"wrote {FLAGS.out}")
+    print(json.dumps(doc), flush=True)
+
+
 def main(argv):
     del argv
     log = partial(print, flush=True)
+    if FLAGS.clock != "wall":
+        if FLAGS.sweep:
+            raise ValueError(f"--sweep={FLAGS.sweep} times its own engines on this machine's "
+                             "wall clock (experiments/depth_sweep.py, prefix_bench.py take no "
+                             "clock yet): run it with --clock=wall, or use the judge, speed or "
+                             "serve_bench with --clock=h200")
+        return clock_main(log)
     if FLAGS.sweep == "prefix":
         return prefix_main(log)
     if FLAGS.sweep:

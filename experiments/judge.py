@@ -22,6 +22,14 @@ runs the fixed depth K whenever the pages allow. Order of work:
      lengths, and the busy workload's validity (page use >= 0.9 while requests wait)
   4. card: card.md, card.json and plots in --out_dir; the card is printed at the end
 
+--clock=h200: every engine gets its own cost_model.VirtualClock (experiments/card.py
+make_clock), so tokens/s, ratios, SpecScore, TTFT and step times are those the cost model
+predicts for Qwen3.5-27B on an H200 running this exact schedule (the engines still run here:
+the tokens, hence acceptance, depths chosen and every gate check, are real); the host time
+measured here is added to each clock and reported on its own line. card.json gets "clock":
+"h200" (else "wall") and an "h200" section (each clock's device and host seconds, launches,
+the cost model's constants).
+
 With FP8 weights (`--weights=fp8` quantizes a dense checkpoint at load; stock and candidate both
 run the same FP8 params, so the gate compares like with like), the card adds an `fp8` section,
 measured before step 1: the FP8 target against the dense one on the fixed texts
@@ -51,7 +59,6 @@ from experiments import judge_gate as gate
 from experiments import mesh_flags, weight_flags
 from experiments.progress import Progress, map_limit, mappings, program_name
 from mtpjax import model, quant, steps
-from mtpjax.kv_pool import pages_for
 from mtpjax.sampling import LaneSampling, SamplingParams
 
 FLAGS = flags.FLAGS
@@ -115,6 +122,7 @@ flags.DEFINE_bool("chat", True, "also run the chat workload (multi-turn conversa
 flags.DEFINE_integer("chat_conversations", 8, "conversations of the chat workload")
 flags.DEFINE_integer("chat_turns", 3, "turns per conversation")
 flags.DEFINE_integer("chat_system_tokens", 64, "shared system prompt length (tokens)")
+card_lib.define_clock_flag()
 
 
 @dataclasses.dataclass
@@ -153,6 +161,7 @@ class JudgeConfig:
     chat: chat_workload.ChatSpec | None = None   # the chat workload (None: not run)
     lane_buckets: tuple | None = None   # decode lane buckets (None: the workloads' lanes)
     prefill_buckets: tuple = (16, 64)   # prefill chunk buckets; the largest is the chunk
+    clock: str = "wall"         # wall | h200 (card_lib.make_clock: modelled 27B on an H200)
 
 
 def _from_flags() -> JudgeConfig:
@@ -168,7 +177,7 @@ def _from_flags() -> JudgeConfig:
         temperature=f.temperature, sample_temperature=f.sample_temperature,
         gate_prompts=f.gate_prompts, fidelity_tokens=f.fidelity_tokens,
         fidelity_lanes=f.fidelity_lanes, seed=f.seed, progress=f.progress, tp=f.tp, dp=f.dp,
-        prefix_cache=f.prefix_cache,
+        prefix_cache=f.prefix_cache, clock=f.clock,
         lane_buckets=tuple(int(b) for b in f.lane_buckets) if f.lane_buckets else None,
         prefill_buckets=tuple(int(b) for b in f.prefill_buckets),
         chat=(chat_workload.ChatSpec(f.chat_conversations, f.chat_turns, f.chat_system_tokens)
@@ -214,6 +223,11 @@ def check_config(jc: JudgeConfig, cfg=None) -> None:
         raise ValueError(f"--mtp_head must be 'trained' or 'random', got {jc.mtp_head!r}")
     if jc.passes < 1:
         raise ValueError(f"--passes must be >= 1, got {jc.passes}")
+    if jc.clock not in card_lib.CLOCKS:
+        raise ValueError(f"--clock must be one of {card_lib.CLOCKS}, got {jc.clock!r}")
+    if jc.clock != "wall" and jc.dp > 1:
+        raise ValueError("--clock=h200 models one engine per clock; dp replicas would each need "
+                         "their own and a rule to merge them: run with --dp=1")
     if cfg is not None and not cfg.has_mtp:
         raise ValueError(f"{jc.checkpoint} has no MTP head: the candidate cannot draft")
 
@@ -251,15 +265,17 @@ def make_engine(cfg, params, jc: JudgeConfig, k: int, lanes: int, num_pages: int
     workload's; the shapes are `shape`'s, common to every workload. The prefix cache is on
     only for the chat workload: solo, team and busy measure speculation as the reference
     card does (busy's page-use validity counts cached pages as free, and repeated prompts
-    would turn its prefills into hits)."""
-    per_lane = pages_for(shape.max_seq_len + 2 * k, jc.page_size)
-    return mtpjax.make_engine(cfg, params, tp=jc.tp, dp=jc.dp, placed=placed,
+    would turn its prefills into hits). With jc.clock = "h200" the engine gets its own
+    VirtualClock (card_lib.make_clock). The device pool is the Engine's default for the
+    shape's lane_slots (every slot at full context)."""
+    clock = card_lib.make_clock(jc.clock, k, weights=card_lib.clock_weights(params), tp=jc.tp,
+                                page_size=jc.page_size)
+    return mtpjax.make_engine(cfg, params, tp=jc.tp, dp=jc.dp, placed=placed, clock=clock,
                               num_speculative_tokens=k,
                               speculation_policy=candidate_policy(jc, k), max_lanes=lanes,
                               max_seq_len=shape.max_seq_len, kernels=jc.kernels,
                               page_size=jc.page_size,
-                              num_pages=lanes * per_lane if num_pages is None else num_pages,
-                              pool_pages=shape.lane_slots * per_lane,
+                              num_pages=num_pages,
                               lane_slots=shape.lane_slots,
                               lane_buckets=[b for b in shape.lane_buckets if b <= shape.lane_slots],
                               prefill_chunk=max(jc.prefill_buckets),
@@ -335,15 +351,20 @@ def workload_params(jc: JudgeConfig, n: int):
 
 
 def timed_generate(engine, prompts, params):
-    """One timed pass. page_util: mean page use over the pass, sampled at every committed
-    token; page_use_waiting: the same over the steady state of a loaded server, from the time
-    every lane has emitted (the ramp-up, when lanes wait for their prefill, is left out) to the
-    time the last request starts (the drain is left out). None if there is no such window
-    (as many lanes as requests). The busy workload must keep it >= 0.9."""
+    """One timed pass, on the engine's time (card_lib.now: its clock's, else wall). page_util:
+    mean page use over the pass, sampled at every committed token; page_use_waiting: the same
+    over the steady state of a loaded server, from the time every lane has emitted (the
+    ramp-up, when lanes wait for their prefill, is left out) to the time the last request
+    starts (the drain is left out). None if there is no such window (as many lanes as
+    requests). The busy workload must keep it >= 0.9. ttft_s: mean over requests of the time
+    from the pass's start (every request is submitted then) to its first token. clock: what
+    the engine's clock added in the pass (device_s modelled, host_s measured), or None."""
     util, waiting, started = [], [], set()
     full = min(engine.max_lanes, len(prompts))
+    first: dict[int, float] = {}
 
     def on_token(i, ids):
+        first.setdefault(i, card_lib.now(engine))
         started.add(i)
         s = engine.stats()
         if "free_pages" in s and s.get("total_pages"):
@@ -356,9 +377,10 @@ def timed_generate(engine, prompts, params):
         clear()
     engine.reset_timing(("prefill_s", "step_s", "host_s", "steps"))
     depth_before = list(engine.depth_steps)
-    t0 = time.perf_counter()
+    clock0 = _clock_totals(engine)
+    t0 = card_lib.now(engine)
     outs = engine.generate(prompts, params, on_token=on_token)
-    wall = time.perf_counter() - t0
+    wall = card_lib.now(engine) - t0
     depth_steps = [a - b for a, b in zip(engine.depth_steps, depth_before)]
     errors = [o.error for o in outs if o.finish_reason == "error"]
     if errors:
@@ -366,8 +388,70 @@ def timed_generate(engine, prompts, params):
     tokens = sum(len(o.token_ids) for o in outs)
     return {"outs": outs, "wall_s": wall, "tokens": tokens, "tok_s": tokens / wall,
             "timing": dict(engine.timing), "depth_steps": depth_steps,
+            "ttft_s": float(np.mean([t - t0 for t in first.values()])) if first else None,
+            "clock": _clock_delta(engine, clock0),
             "page_util": float(np.mean(util)) if util else None,
             "page_use_waiting": float(np.mean(waiting)) if waiting else None}
+
+
+def _clock_totals(engine) -> dict | None:
+    clock = getattr(engine, "clock", None)
+    if clock is None:
+        return None
+    return {"device_s": clock.device_s, "host_s": clock.host_s, "launches": dict(clock.launches)}
+
+
+def _clock_delta(engine, before: dict | None) -> dict | None:
+    """What the engine's clock added since `before` (_clock_totals): modelled device seconds,
+    measured host seconds, programs launched by kind."""
+    after = _clock_totals(engine)
+    if after is None:
+        return None
+    return {"device_s": after["device_s"] - before["device_s"],
+            "host_s": after["host_s"] - before["host_s"],
+            "launches": {key: n - before["launches"].get(key, 0)
+                         for key, n in after["launches"].items()
+                         if n - before["launches"].get(key, 0)}}
+
+
+class _ClockedChat:
+    """An engine as chat_workload.run_pass uses it (generate, clear_prefix_cache, stats) that
+    also records, per generate call (a turn), the mean time from the call to each request's
+    first token on the engine's clock: run_pass itself times with perf_counter."""
+
+    def __init__(self, engine):
+        self.engine, self.ttft_s = engine, []
+
+    def generate(self, prompts, params, on_token=None):
+        t0, first = card_lib.now(self.engine), {}
+
+        def stamp(i, ids):
+            first.setdefault(i, card_lib.now(self.engine))
+            if on_token is not None:
+                on_token(i, ids)
+
+        outs = self.engine.generate(prompts, params, on_token=stamp)
+        self.ttft_s.append(float(np.mean([t - t0 for t in first.values()])) if first else 0.0)
+        return outs
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+
+def chat_pass(engine, system, users, params) -> dict:
+    """chat_workload.run_pass on the engine's time: with a clock, tokens/s and the time to
+    first token per turn are the clock's (run_pass's own are wall)."""
+    if getattr(engine, "clock", None) is None:
+        return chat_workload.run_pass(engine, system, users, params)
+    proxy = _ClockedChat(engine)
+    clock0, t0, steps0 = _clock_totals(engine), card_lib.now(engine), engine.timing["steps"]
+    r = chat_workload.run_pass(proxy, system, users, params)
+    r["wall_s"] = card_lib.now(engine) - t0
+    r["tok_s"] = r["tokens"] / r["wall_s"]
+    r["ttft_ms_per_turn"] = [1e3 * x for x in proxy.ttft_s]
+    r["clock"] = _clock_delta(engine, clock0)
+    r["timing"] = {"steps": engine.timing["steps"] - steps0}     # decode steps of the pass
+    return r
 
 
 def acceptance(outs, k: int) -> tuple[float, list[float]]:
@@ -856,10 +940,10 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
         chat_runs = {0: [], k: []}
         log(f"chat: untimed pass ({jc.chat.conversations} conversations x {jc.chat.turns} turns)")
         for kk in (0, k):                                  # untimed: depth costs, caches
-            chat_workload.run_pass(engines[("chat", kk)], chat_system, chat_users, chat_params)
+            chat_pass(engines[("chat", kk)], chat_system, chat_users, chat_params)
         for p in range(jc.passes):
             for kk in ((0, k) if p % 2 == 0 else (k, 0)):
-                chat_runs[kk].append(chat_workload.run_pass(
+                chat_runs[kk].append(chat_pass(
                     engines[("chat", kk)], chat_system, chat_users, chat_params))
             log(f"chat: pass {p + 1}/{jc.passes}")
         chat = chat_workload.summarize(chat_runs[0], chat_runs[k], jc.chat, jc.team_lanes)
@@ -892,7 +976,7 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
 
     mem_c, mem_s = peak[k] / 2 ** 20, peak[0] / 2 ** 20
     ratios, lengths, acc, acc_pos, thr, split, util = {}, {}, {}, {}, {}, {}, {}
-    page_use, depth_hist, decode_steps = {}, {}, {}
+    page_use, depth_hist, decode_steps, ttft = {}, {}, {}, {}
     for w in plans:
         st, ca = results[w]["stock"], results[w]["candidate"]
         passes = [c["tok_s"] / s["tok_s"] for s, c in zip(st, ca)]
@@ -912,6 +996,8 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
             split[w][name]["prefill_ms_per_request"] = float(np.median(
                 [r["timing"]["prefill_s"] / len(plans[w][1]) * 1e3 for r in rs]))
         util[w] = ca[0]["page_util"]
+        ttft[w] = {name: _median([r["ttft_s"] for r in rs], 1e3)
+                   for name, rs in (("stock", st), ("candidate", ca))}
         waiting = lambda rs: (None if any(r["page_use_waiting"] is None for r in rs)
                               else float(np.median([r["page_use_waiting"] for r in rs])))
         page_use[w] = {"stock": waiting(st), "candidate": waiting(ca),
@@ -933,7 +1019,9 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
     verdict = gate.evaluate(measured, jc.limits)
     split_at = plans[gate_w][0]
     split_params = quant.set_impl(params, kernels) if quant.has_fp8(params) else params
-    draft_verify = step_split(cfg, split_params, split_at, k, kernels) if k else None
+    # the split times this machine's programs: nothing the H200 clock could say (None there)
+    draft_verify = (step_split(cfg, split_params, split_at, k, kernels)
+                    if k and jc.clock == "wall" else None)
     card = {
         "ratios": ratios,
         "specscore": verdict["specscore"],
@@ -961,6 +1049,10 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
         "page_utilization": util,
         "fp8": fp8,
         "chat": chat,
+        "ttft_ms": ttft,
+        "clock": jc.clock,
+        "h200": (clock_section(results, chat_runs if jc.chat is not None else None, engines, k)
+                 if jc.clock == "h200" else None),
         "settings": {
             "checkpoint": os.path.abspath(jc.checkpoint), "dtype": jc.dtype, "k": k,
             "num_speculative_tokens": k, "adaptive": jc.adaptive,
@@ -988,6 +1080,44 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
     }
     card_lib.write(card, jc.out_dir)
     return card
+
+
+def _median(xs, scale: float = 1.0) -> float | None:
+    xs = [x for x in xs if x is not None]
+    return float(np.median(xs)) * scale if xs else None
+
+
+def clock_section(results: dict, chat_runs: dict | None, engines: dict, k: int) -> dict:
+    """The card's "h200" block: per workload and engine, what its clock added over the timed
+    passes (device_s modelled, host_s measured on this machine, programs launched), host
+    time per decode step and its share of the clock; the cost model's settings and
+    constants (one engine's clock.report(), less its running totals)."""
+    name = lambda kk: "stock" if kk == 0 else "candidate"
+
+    def total(runs) -> dict:
+        dev = sum(r["clock"]["device_s"] for r in runs)
+        host = sum(r["clock"]["host_s"] for r in runs)
+        launches: dict = {}
+        for r in runs:
+            for key, n in r["clock"]["launches"].items():
+                launches[key] = launches.get(key, 0) + n
+        steps = sum(r["timing"]["steps"] for r in runs if "timing" in r)
+        return {"device_s": dev, "host_s": host, "host_share": host / max(dev + host, 1e-12),
+                "host_ms_per_step": 1e3 * host / steps if steps else None,
+                "launches": launches}
+
+    out = {w: {name(kk): total(runs[name(kk)]) for kk in (0, k)} for w, runs in results.items()}
+    if chat_runs is not None:
+        out["chat"] = {name(kk): total(chat_runs[kk]) for kk in (0, k)}
+    report = next(iter(engines.values())).clock.report()
+    model = {key: v for key, v in report.items()
+             if key not in ("device_s", "host_s", "now", "launches")}
+    return {"workloads": out, "model": model,
+            "how": "each engine has its own clock: every program it launches adds the cost "
+                   "model's price at the program's shapes (device_s); host_s is this "
+                   "machine's measured time inside Engine.step outside the programs and the "
+                   "caller's on_token callbacks (mtpjax/engine.py); tokens/s = tokens / "
+                   "(device_s + host_s) of the pass"}
 
 
 def main(argv):

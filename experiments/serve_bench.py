@@ -12,6 +12,16 @@ sends its next request when the previous one ends) and reports:
 Every request has its own seed and temperature 0.8; prompts differ per request. The client is
 the standard library (http.client, SSE parsed by hand), so the bench needs nothing beyond the
 server's own dependencies. Writes `--out` (card.json) and prints it as the last stdout line.
+
+`--clock=h200`: the same load (same engine flags, same requests, closed loop: each client's
+next request goes in when its previous one ends) on the engine's cost_model.VirtualClock,
+predicted for Qwen3.5-27B on one H200 by the cost model, not timed. An online server's time is its clients' wall time, so there is no HTTP server
+here: the engine `serve` would build (`serve.load_server`: same flags, same warm-up) runs in
+this process as a continuous session (start / submit / step) and every time is the engine's
+clock: a request's TTFT and latency run from its submit to its first token / its end, all
+on the clock, and a level's wall time is the clock's. HTTP, JSON, tokenization and SSE are
+not modelled (the wall run has them); the host time measured inside the engine is on the
+clock and reported per level on its own line.
 """
 
 from __future__ import annotations
@@ -29,12 +39,15 @@ import time
 
 from absl import flags
 
+from experiments import card as card_lib
+
 FLAGS = flags.FLAGS
 flags.DEFINE_list("concurrency", ["1", "8", "32"], "concurrent clients per measurement")
 flags.DEFINE_integer("rounds", 2, "requests per client per measurement")
 flags.DEFINE_integer("max_tokens", 64, "max_tokens of every request")
 flags.DEFINE_string("serve_flags", "", "extra flags for `python -m experiments serve`")
 flags.DEFINE_string("out", "runs/serve_bench/card.json", "where to write the results")
+card_lib.define_clock_flag()
 flags.DEFINE_float("startup_timeout_s", 1800.0, "how long the server may take to come up "
                    "(warmup compiles every decode program)")
 
@@ -73,6 +86,14 @@ def stream_chat(port: int, body: dict) -> dict:
             "completion_tokens": usage["completion_tokens"]}
 
 
+def request_body(model: str, i: int, max_tokens: int) -> dict:
+    """Request i of a level: its own seed and prompt, temperature 0.8, thinking off."""
+    return {"model": model, "stream": True, "stream_options": {"include_usage": True},
+            "max_tokens": max_tokens, "temperature": 0.8, "seed": i,
+            "messages": [{"role": "user", "content": f"Request {i}: tell a story."}],
+            "chat_template_kwargs": {"enable_thinking": False}}
+
+
 def run_level(port: int, model: str, clients: int, rounds: int, max_tokens: int,
               seed0: int) -> dict:
     results, errors = [], []
@@ -81,10 +102,7 @@ def run_level(port: int, model: str, clients: int, rounds: int, max_tokens: int,
     def client(c: int):
         for r in range(rounds):
             i = seed0 + c * rounds + r
-            body = {"model": model, "stream": True, "stream_options": {"include_usage": True},
-                    "max_tokens": max_tokens, "temperature": 0.8, "seed": i,
-                    "messages": [{"role": "user", "content": f"Request {i}: tell a story."}],
-                    "chat_template_kwargs": {"enable_thinking": False}}
+            body = request_body(model, i, max_tokens)
             try:
                 res = stream_chat(port, body)
             except Exception as e:  # noqa: BLE001 - reported below
@@ -112,6 +130,108 @@ def run_level(port: int, model: str, clients: int, rounds: int, max_tokens: int,
             "mean_latency_s": statistics.fmean(r["latency_s"] for r in results)}
 
 
+def run_level_clocked(engine, requests: list[list[tuple]]) -> dict:
+    """One level on the engine's clock: requests[c] = client c's (prompt ids, SamplingParams)
+    in order; the first of each goes in at once, the next when the previous ends (closed
+    loop, as run_level's clients). Returns run_level's keys, every time on the clock, plus the
+    clock's device (modelled) and host (measured) seconds over the level."""
+    clock = engine.clock
+    queues = [list(r) for r in requests]
+    submitted, first, owner, ends = {}, {}, {}, []
+    ids = iter(range(1 << 62))
+
+    def submit(c: int) -> None:
+        prompt, params = queues[c].pop(0)
+        rid = next(ids)
+        submitted[rid], owner[rid] = clock.now, c
+        err = engine.submit(rid, prompt, params)
+        if err is not None:
+            raise RuntimeError(f"request refused: {err.error}")
+
+    engine.start(lambda rid, new: first.setdefault(rid, clock.now))
+    t0, dev0, host0 = clock.now, clock.device_s, clock.host_s
+    iterations = 0
+    try:
+        for c in range(len(queues)):
+            submit(c)
+        while engine.has_work():
+            done = engine.step()
+            iterations += 1
+            for rid, out in done.items():
+                if out.finish_reason == "error":
+                    raise RuntimeError(f"request failed: {out.error}")
+                ends.append((rid, clock.now, len(out.token_ids)))
+                if queues[owner[rid]]:
+                    submit(owner[rid])
+    finally:
+        engine.stop()
+    wall = clock.now - t0
+    toks = sum(n for *_, n in ends)
+    ttfts = [first[rid] - submitted[rid] for rid, *_ in ends if rid in first]
+    dev, host = clock.device_s - dev0, clock.host_s - host0
+    return {"clients": len(queues), "requests": len(ends), "wall_s": wall,
+            "requests_per_s": len(ends) / wall, "tokens_per_s": toks / wall,
+            "completion_tokens": toks,
+            "mean_ttft_s": statistics.fmean(ttfts) if ttfts else None,
+            "mean_latency_s": statistics.fmean(t - submitted[rid] for rid, t, _ in ends),
+            "engine_iterations": iterations, "device_s": dev, "host_s": host,
+            "host_share": host / wall if wall else None}
+
+
+def level_requests(server, clients: int, rounds: int, max_tokens: int, seed0: int):
+    """run_level's requests as the server parses them (chat template, sampling): client c's
+    list of (prompt ids, SamplingParams)."""
+    from experiments import serve
+    out = []
+    for c in range(clients):
+        reqs = []
+        for r in range(rounds):
+            p = serve.parse_chat(request_body(server.limits.model, seed0 + c * rounds + r,
+                                              max_tokens), server.limits, server.tokenizer)
+            reqs.append((p.prompt_ids, p.params))
+        out.append(reqs)
+    return out
+
+
+def clock_main(levels: list[int]) -> dict:
+    """--clock=h200: the load on the engine `serve --serve_flags` builds, in this process, on
+    its VirtualClock (module docstring). Returns the card."""
+    from experiments import serve          # defines serve's flags: parse --serve_flags into them
+    FLAGS(["serve", *shlex.split(FLAGS.serve_flags)])
+    t0 = time.perf_counter()
+    server = serve.load_server(FLAGS)
+    server.online.shutdown()                # its engine only: no HTTP, no online loop
+    engine = server.online.engine
+    engine.clock = card_lib.make_clock("h200", engine.k,
+                                       weights=card_lib.clock_weights(engine.params),
+                                       tp=engine.tp, page_size=engine.page_size)
+    startup = time.perf_counter() - t0
+    words = card_lib.predicted_words(engine.tp)
+    say = lambda m: print(f"[serve_bench h200] {m}", file=sys.stderr, flush=True)
+    say(f"engine up in {startup:.1f}s (this machine): k={engine.k}, lanes={engine.max_lanes}; "
+        f"times below: {words}")
+    top = max(levels)
+    run_level_clocked(engine, level_requests(server, top, 1, FLAGS.max_tokens, 10_000))  # warm
+    rows = []
+    for i, c in enumerate(levels):
+        row = run_level_clocked(engine, level_requests(server, c, FLAGS.rounds,
+                                                       FLAGS.max_tokens, 100_000 * (i + 1)))
+        rows.append(row)
+        say(f"{c:3d} clients: {row['requests']} requests in {row['wall_s']:.2f}s  "
+            f"{row['requests_per_s']:.2f} req/s  {row['tokens_per_s']:.1f} tok/s  ttft "
+            f"{row['mean_ttft_s']:.3f}s  latency {row['mean_latency_s']:.2f}s")
+        say(f"{c:3d} clients: host {row['host_s']:.3f}s measured here of {row['wall_s']:.3f}s "
+            f"on the clock ({row['host_share']:.0%}), modelled device {row['device_s']:.3f}s")
+    return {"command": "python -m experiments serve_bench " + " ".join(sys.argv[2:]),
+            "clock": "h200", "time": words,
+            "how": "in-process engine session on its VirtualClock (no HTTP server): TTFT and "
+                   "latency from submit, every time on the clock; host time measured here",
+            "serve_command": "serve " + FLAGS.serve_flags + " (load_server, in this process)",
+            "max_tokens": FLAGS.max_tokens, "rounds": FLAGS.rounds, "startup_s": startup,
+            "cpu_count": os.cpu_count(), "levels": rows,
+            "model": engine.clock.report()["model"]}
+
+
 def _metrics(port: int) -> dict:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     conn.request("GET", "/metrics")
@@ -130,6 +250,9 @@ def main(argv):
     levels = [int(c) for c in FLAGS.concurrency]
     if not levels or min(levels) < 1:
         raise SystemExit(f"--concurrency needs positive integers, got {FLAGS.concurrency}")
+    if FLAGS.clock != "wall":
+        _write(clock_main(levels))
+        return
     port = _free_port()
     cmd = [sys.executable, "-m", "experiments", "serve", f"--port={port}",
            *shlex.split(FLAGS.serve_flags)]
@@ -175,7 +298,7 @@ def main(argv):
                   f"{row['tokens_per_s']:.1f} tok/s  ttft {row['mean_ttft_s']:.2f}s  latency "
                   f"{row['mean_latency_s']:.2f}s", file=sys.stderr, flush=True)
         card = {"command": "python -m experiments serve_bench " + " ".join(
-                    a for a in sys.argv[2:]), "serve_command": " ".join(cmd[1:]),
+                    a for a in sys.argv[2:]), "clock": "wall", "serve_command": " ".join(cmd[1:]),
                 "max_tokens": FLAGS.max_tokens, "rounds": FLAGS.rounds,
                 "startup_s": startup, "cpu_count": os.cpu_count(), "levels": rows,
                 "server_log": "".join(log).strip().splitlines()[-3:]}
@@ -185,6 +308,10 @@ def main(argv):
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+    _write(card)
+
+
+def _write(card: dict) -> None:
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
     with open(FLAGS.out, "w") as f:
         json.dump(card, f, indent=1)

@@ -7,7 +7,8 @@ and what it earns depends on the request. So both are measured while the engine 
 
   tokens(d) = sum over the step's lanes of E_d(lane),
       E_d = 1 + sum_{j=1..d} prod_{l<=j} p_l(lane)          (expected tokens emitted)
-  cost(d)   = measured seconds of a depth-d step in this (lane bucket, context bucket)
+  cost(d)   = seconds of a depth-d step in this (lane bucket, context bucket), on the
+              engine's clock
   depth     = argmax_d tokens(d) / cost(d),  d <= the deepest depth the free pages cover.
 
 - p_l(lane) is the conditional acceptance of draft position l (accepted given drafts 1..l-1
@@ -17,7 +18,11 @@ and what it earns depends on the request. So both are measured while the engine 
 - cost(d, bucket, ctx) is the lower quartile of the last `window` step times the engine measured
   (wall seconds from launch to the tokens on the host, the first call of each program excluded
   because it compiles). Nothing is a device constant: on a GPU the same clock times the
-  GPU's programs. A depth not measured yet in a cell is interpolated along the depth axis of
+  GPU's programs. With `Engine(clock=...)` (a cost_model.VirtualClock: the engine runs here
+  while time is that of Qwen3.5-27B on an H200) the engine reports each step's modelled
+  seconds instead, no call excluded (a price never includes a compile), so the policy
+  chooses the depths it would choose on the modelled device, where a depth-1 step costs a
+  few percent more than depth 0 at one lane, not what this machine's programs cost. A depth not measured yet in a cell is interpolated along the depth axis of
   the cell (a line through its measured depths, slope >= 0), or scaled from the relative
   slope seen in other cells, or borrowed from the nearest cell; nothing measured: equal costs.
 - Exploration is local: until both neighbours (best - 1, best + 1) of the current best depth
@@ -236,8 +241,10 @@ class AdaptiveDepth:
         return best
 
     def observe(self, view: StepView, depth: int, seconds: float, accepted, compiled: bool):
-        """What the engine measured for the step it ran with `view`: its depth, wall seconds,
-        the lanes' accepted drafts (in view.lanes order) and whether the call compiled."""
+        """What the engine measured for the step it ran with `view`: its depth, seconds on the
+        engine's clock (wall, or modelled with a VirtualClock), the lanes' accepted drafts
+        (in view.lanes order) and whether the call compiled (its seconds are then no step
+        cost)."""
         if not compiled:
             self.costs.record(depth, view.bucket, context_bucket(view.context, self.min_context),
                               seconds)

@@ -28,6 +28,23 @@ bucket, so idle lanes cost nothing; `stats()["compiled_programs"]`. `warmup()` c
 program a run can reach up front. Programs are keyed by shapes, so engines that agree on
 lane_slots, pool_pages, max_seq_len, page_size and K share them (the judge builds its engines
 that way: one program set for every workload).
+
+The H200 clock (`clock=`, a cost_model.VirtualClock): the engine runs here, on whatever device
+JAX has, with real tokens and real acceptance, while time is that of Qwen3.5-27B on an H200.
+Every program `step()` launches (lane moves, snapshot restores, prefill chunks, snapshot
+saves, decode steps; not `warmup()`) runs to completion and then advances the clock by the
+cost model's price of that program at its real shapes: ("decode", depth, lane bucket) with
+the tokens each busy lane has cached, ("prefill", chunk bucket) with the chunk's start and
+whether it is the prompt's last. This device's own compute time is not counted. Host time is
+measured: the wall time inside `step()` outside the launched programs (scheduling, page
+bookkeeping, building inputs, reading tokens back into lists, the depth policy, this device's
+dispatch and sync overhead outside a program's bracket), minus the time spent in the caller's
+on_token callbacks (the caller's work, e.g. a benchmark's own bookkeeping); it goes to
+`clock.add_host` and `timing["host_s"]`. With a clock, `timing["step_s"]` and
+`timing["prefill_s"]` hold modelled seconds, the depth policy learns from modelled step
+seconds, `timing["ttft_s"]` / `timing["first_tokens"]` add up each request's time to first
+token on the clock (from `submit` to the end of its last prefill chunk), and `stats()["clock"]`
+is `clock.report()`.
 """
 
 from __future__ import annotations
@@ -136,9 +153,16 @@ class Engine:
       max_lanes): a step over n busy lanes runs the smallest bucket >= n, so each extra
       bucket is one more program per draft depth. Idle lanes inside a bucket are padding
       (nearly free when decode is memory-bound, compute on a CPU).
-    pool_pages: the device pool's pages (default num_pages, at least num_pages); the allocator
-      hands out num_pages of them, so engines with different page budgets can share a pool
-      shape, hence their programs.
+    pool_pages: the device pool's pages (at least num_pages); the allocator hands out
+      num_pages of them, so engines with different page budgets can share a pool shape, hence
+      their programs. Default: num_pages; with lane_slots given, the larger of num_pages and
+      every lane slot at full context (lane_slots x pages_per_lane), the pool that engines of
+      one lane_slots share whatever their max_lanes and num_pages (the judge's engines).
+
+    clock: None (default: wall time, as measured) or a cost_model.VirtualClock whose model has
+      this engine's K and page size: time is then the modelled H200's (module docstring).
+      timing["step_s"] and timing["prefill_s"] then hold modelled seconds, timing["host_s"]
+      the measured host seconds added to the clock.
     """
 
     def __init__(self, cfg: Config, params: Params, *, num_speculative_tokens: int = 0,
@@ -151,7 +175,7 @@ class Engine:
                  prefix_cache: bool = True, prefix_snapshots: int | None = None,
                  snapshot_every_blocks: int = 4, depth0_fills_mtp_kv: bool = False,
                  lane_slots: int | None = None, lane_buckets: Sequence[int] | None = None,
-                 pool_pages: int | None = None):
+                 pool_pages: int | None = None, clock=None):
         k = int(num_speculative_tokens)
         if k < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
@@ -159,6 +183,7 @@ class Engine:
             raise ValueError("num_speculative_tokens > 0 needs a checkpoint with an MTP head")
         if max_lanes < 1:
             raise ValueError(f"max_lanes must be >= 1, got {max_lanes}")
+        slots_given = lane_slots is not None
         lane_slots = max_lanes if lane_slots is None else int(lane_slots)
         if lane_slots < max_lanes:
             raise ValueError(f"lane_slots ({lane_slots}) must be >= max_lanes ({max_lanes})")
@@ -214,6 +239,8 @@ class Engine:
         if num_pages < 1:
             raise ValueError(f"num_pages must be >= 1, got {num_pages}")
         self.page_size, self.num_pages, self.lane_slots = page_size, num_pages, lane_slots
+        if pool_pages is None and slots_given:
+            pool_pages = max(num_pages, lane_slots * self.pages_per_lane)
         self.alloc = PageAllocator(num_pages, page_size, lane_slots, self.pages_per_lane,
                                    pool_pages=pool_pages)      # checks pool_pages >= num_pages
         self.pool_pages = pool_pages = self.alloc.sentinel
@@ -246,6 +273,28 @@ class Engine:
         self.depth_steps = [0] * (k + 1)          # decode steps run at each depth
         self._programs: set = set()
         self._sched: Scheduler | None = None
+        self._clock = None
+        self._mark = 0.0                 # clock: perf_counter where the open host segment began
+        self._submitted: dict[int, float] = {}   # clock: request id -> clock time of submit
+        self.clock = clock
+
+    @property
+    def clock(self):
+        """The VirtualClock this engine advances (None: wall time); see the module docstring."""
+        return self._clock
+
+    @clock.setter
+    def clock(self, clock) -> None:
+        if clock is not None:
+            model = getattr(clock, "model", None)
+            for name, want in (("K", self.k), ("page_size", self.page_size)):
+                got = getattr(model, name, want)
+                if got != want:
+                    raise ValueError(f"the clock's cost model has {name} = {got}, this engine "
+                                     f"{want}: it would price programs of other shapes")
+            self.timing.setdefault("ttft_s", 0.0)
+            self.timing.setdefault("first_tokens", 0)
+        self._clock = clock
 
     @classmethod
     def from_checkpoint(cls, path: str, dtype: str = "float32", num_speculative_tokens: int = 0,
@@ -342,8 +391,24 @@ class Engine:
                                "start() without stop())")
         self._sched = Scheduler(self.alloc, k=self.k, max_seq_len=self.max_seq_len,
                                 prefill_chunk=self.prefill_chunk, policy=self.policy,
-                                on_token=on_token, prefix_cache=self.prefix,
+                                on_token=self._callback(on_token), prefix_cache=self.prefix,
                                 lanes=self.max_lanes, bucket=self._bucket_of)
+
+    def _callback(self, on_token):
+        """on_token as the scheduler calls it; with a clock its time is the caller's, so the
+        open host segment starts that much later (not host time of the engine)."""
+        if on_token is None:
+            return None
+
+        def timed(request_id: int, ids: list[int]) -> None:
+            if self.clock is None:
+                return on_token(request_id, ids)
+            t0 = time.perf_counter()
+            try:
+                on_token(request_id, ids)
+            finally:
+                self._mark += time.perf_counter() - t0
+        return timed
 
     def _session(self) -> Scheduler:
         if self._sched is None:
@@ -368,6 +433,8 @@ class Engine:
         stops = frozenset(params.stop_token_ids) | frozenset(self.eos)
         sched.add(Request(request_id, prompt, params, stops,
                           stats=RequestStats.for_depth(self.k)))
+        if self.clock is not None:
+            self._submitted[request_id] = self.clock.now
         return None
 
     def has_work(self) -> bool:
@@ -379,15 +446,20 @@ class Engine:
         (finished, stopped, cancelled), by id."""
         sched = self._session()
         if sched.has_work():
-            t0 = time.perf_counter()
+            t0 = self._mark = time.perf_counter()
             plan = sched.schedule()
-            self.timing["host_s"] += time.perf_counter() - t0
+            if self.clock is None:
+                self.timing["host_s"] += time.perf_counter() - t0
             try:
                 self._run(sched, plan)
             except BaseException:
                 self.stop()
                 raise
+            if self.clock is not None:
+                self._add_host(time.perf_counter() - self._mark)
         done, sched.finished = sched.finished, {}
+        for rid in done:
+            self._submitted.pop(rid, None)
         return done
 
     def stop(self) -> dict[int, RequestOutput]:
@@ -399,6 +471,7 @@ class Engine:
         sched.abort()
         self.preemptions += sched.preemptions
         self._sched = None
+        self._submitted.clear()
         return sched.finished
 
     def session_counts(self) -> dict:
@@ -435,66 +508,106 @@ class Engine:
         first."""
         return self._bucket_of(max(busy_lanes) + 1)
 
+    def _add_host(self, seconds: float) -> None:
+        self.clock.add_host(seconds)
+        self.timing["host_s"] += seconds
+
+    def _program(self, key: tuple, run: Callable[[], tuple], contexts: Sequence[int] = (),
+                 start: int = 0, is_last: bool = True) -> tuple[tuple, float]:
+        """Launch one program: run() calls it and returns its outputs. Without a clock that is
+        all (returns (outputs, 0.0)). With one, the host segment open since the last program
+        closes (clock.add_host), the program runs until its outputs are ready (this device's
+        compute is not host time) and the clock advances by its price at these shapes;
+        returns (outputs, modelled seconds)."""
+        if self.clock is None:
+            return run(), 0.0
+        t0 = time.perf_counter()
+        self._add_host(t0 - self._mark)
+        out = jax.block_until_ready(run())
+        self._mark = time.perf_counter()
+        return out, self.clock.launch(key, contexts, start, is_last)
+
     def _run(self, sched: Scheduler, plan: Plan) -> None:
+        clocked = self.clock is not None
         for src, dst in plan.moves:
-            self.cache, self.state = steps.move_lane(self.cache, self.state, jnp.int32(src),
-                                                     jnp.int32(dst), mesh=self.mesh)
+            (self.cache, self.state), _ = self._program(("move_lane",), lambda: steps.move_lane(
+                self.cache, self.state, jnp.int32(src), jnp.int32(dst), mesh=self.mesh))
             self.timing["lane_moves"] += 1
         for lane, slot in plan.restores:      # prefix hits: GDN state at the cached boundary
-            self.cache, self.snaps = snapshots.restore(self.cache, self.snaps, jnp.int32(lane),
-                                                       jnp.int32(slot), mesh=self.mesh)
+            (self.cache, self.snaps), _ = self._program(
+                ("snapshot_restore",), lambda: snapshots.restore(
+                    self.cache, self.snaps, jnp.int32(lane), jnp.int32(slot), mesh=self.mesh))
         if plan.prefill is not None:
+            w = plan.prefill
             t0 = time.perf_counter()
-            first = self._prefill(plan.prefill, self._lane_sampling(sched))
-            slot = sched.prefill_done(plan.prefill, first)
+            first, modelled = self._prefill(w, self._lane_sampling(sched))
+            if clocked and w.is_last:         # the request's first token, on the clock
+                started = self._submitted.pop(sched.lanes[w.lane].req.id, None)
+                if started is not None:
+                    self.timing["ttft_s"] += self.clock.now - started
+                    self.timing["first_tokens"] += 1
+            slot = sched.prefill_done(w, first)
             if slot is not None:              # a snapshot boundary the prefix cache took
-                self.cache, self.snaps = snapshots.save(
-                    self.cache, self.snaps, jnp.int32(plan.prefill.lane), jnp.int32(slot),
-                    mesh=self.mesh)
+                (self.cache, self.snaps), saved = self._program(
+                    ("snapshot",), lambda: snapshots.save(
+                        self.cache, self.snaps, jnp.int32(w.lane), jnp.int32(slot),
+                        mesh=self.mesh))
+                modelled += saved
             t1 = time.perf_counter()
-            self.timing["prefill_s"] += t1 - t0
-            self.timing["host_s"] += time.perf_counter() - t1
+            self.timing["prefill_s"] += modelled if clocked else t1 - t0
+            if not clocked:
+                self.timing["host_s"] += time.perf_counter() - t1
         if plan.decode:
             nb = self.lane_bucket(plan.decode)
             active = np.zeros(nb, bool)
             active[list(plan.decode)] = True
             lanes = self._lane_sampling(sched, nb)
             key = ("decode", plan.k, nb)
+            contexts = [sched.lanes[b].pos for b in plan.decode]   # tokens cached per lane
             t0 = time.perf_counter()
-            self.cache, self.state, out, n_acc = steps.decode_step(
-                self.cfg, self.params, self.cache, self.state, lanes, jnp.asarray(active),
-                jnp.asarray(self.alloc.table[:nb]), k=plan.k, kernels=self.kernels,
-                mesh=self.mesh, fill_mtp_kv=self.depth0_fills_mtp_kv)
+            (self.cache, self.state, out, n_acc), modelled = self._program(
+                key, lambda: steps.decode_step(
+                    self.cfg, self.params, self.cache, self.state, lanes, jnp.asarray(active),
+                    jnp.asarray(self.alloc.table[:nb]), k=plan.k, kernels=self.kernels,
+                    mesh=self.mesh, fill_mtp_kv=self.depth0_fills_mtp_kv), contexts)
             out, n_acc = np.asarray(out), np.asarray(n_acc)
             t1 = time.perf_counter()
+            seconds = modelled if clocked else t1 - t0
             observe = getattr(self.policy, "observe", None)
             if observe is not None and plan.view is not None:
-                observe(dataclasses.replace(plan.view, bucket=nb), plan.k, t1 - t0,
-                        [int(n_acc[b]) for b in plan.decode], key not in self._programs)
+                # a first call compiles: its wall time is no step cost (modelled time is)
+                observe(dataclasses.replace(plan.view, bucket=nb), plan.k, seconds,
+                        [int(n_acc[b]) for b in plan.decode],
+                        key not in self._programs and not clocked)
             self._programs.add(key)
             self.depth_steps[plan.k] += 1
             for b in plan.decode:
                 sched.decode_done(b, [int(t) for t in out[b]], int(n_acc[b]), plan.k)
-            self.timing["step_s"] += t1 - t0
-            self.timing["host_s"] += time.perf_counter() - t1
+            self.timing["step_s"] += seconds
+            if not clocked:
+                self.timing["host_s"] += time.perf_counter() - t1
             self.timing["steps"] += 1
             self.timing["plain_steps"] += plan.k == 0
 
-    def _prefill(self, w: PrefillWork, lanes: LaneSampling) -> int | None:
+    def _prefill(self, w: PrefillWork, lanes: LaneSampling) -> tuple[int | None, float]:
+        """One prefill chunk: (its first token on the last chunk else None, modelled
+        seconds: 0.0 without a clock)."""
         n = len(w.tokens)
         T = next(b for b in self.chunk_buckets if b >= n)
         toks = np.zeros((1, T), np.int32)
         toks[0, :n] = w.tokens
         nt = np.zeros((1, T), np.int32)
         nt[0, :len(w.next_tokens)] = w.next_tokens
-        self.cache, self.state, first = steps.prefill_chunk(
-            self.cfg, self.params, self.cache, self.state, lanes, jnp.int32(w.lane),
-            jnp.asarray(toks), jnp.asarray(nt), jnp.int32(w.start), jnp.int32(n),
-            jnp.bool_(w.is_last), jnp.asarray(self.alloc.table[w.lane:w.lane + 1]),
-            k=self.k, kernels=self.kernels, mesh=self.mesh)
+        (self.cache, self.state, first), modelled = self._program(
+            ("prefill", T), lambda: steps.prefill_chunk(
+                self.cfg, self.params, self.cache, self.state, lanes, jnp.int32(w.lane),
+                jnp.asarray(toks), jnp.asarray(nt), jnp.int32(w.start), jnp.int32(n),
+                jnp.bool_(w.is_last), jnp.asarray(self.alloc.table[w.lane:w.lane + 1]),
+                k=self.k, kernels=self.kernels, mesh=self.mesh), start=w.start,
+            is_last=w.is_last)
         self._programs.add(("prefill", T))
         self.timing["prefill_chunks"] += 1
-        return int(first) if w.is_last else None
+        return (int(first) if w.is_last else None), modelled
 
     def clear_prefix_cache(self) -> None:
         """Drop every cached prefix (pages and snapshots return to the pool)."""
@@ -630,4 +743,5 @@ class Engine:
                 "weight_bytes": int(sum(x.nbytes for x in jax.tree.leaves(self.params))),
                 "devices": [str(d) for d in (self.mesh.devices.flat if self.mesh is not None
                                              else [self.params.embed.devices().pop()])],
+                **({} if self.clock is None else {"clock": self.clock.report()}),
                 **self.timing}

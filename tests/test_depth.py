@@ -9,6 +9,7 @@ step views and costs (pure host code, no device).
 
 import dataclasses
 import random
+import types
 
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import pytest
 
 import mtpjax
 from mtpjax import model, steps
+from mtpjax.cost_model import VirtualClock
 from mtpjax.depth import AdaptiveDepth, StepCosts, context_bucket
 from mtpjax.sampling import SamplingParams
 from mtpjax.scheduler import LaneView, RequestStats, StepView
@@ -126,6 +128,42 @@ def test_adaptive_engine_equals_plain_and_warmup_compiles_every_depth(plain):
         ("decode", d, nb) for d in range(K + 1) for nb in (1, 2, 4)}   # nothing new compiled
     rep = e.policy.report()
     assert sum(rep["chosen"].values()) == sum(s["depth_steps"]) and rep["costs_ms"]
+
+
+class _PricedModel:
+    """A stand-in cost model for an engine's VirtualClock: every program costs 1 ms, a decode
+    step at depth d costs 1 ms x (1 + slope x d). The adaptive policy must learn from these
+    prices, not from this CPU's wall time."""
+
+    def __init__(self, slope: float, k: int = K, page_size: int = 8):
+        self.slope, self.K, self.page_size = slope, k, page_size
+
+    def program(self, key, contexts=(), start=0, is_last=True):
+        depth = key[1] if key[0] == "decode" else 0
+        return types.SimpleNamespace(seconds=1e-3 * (1 + self.slope * depth))
+
+
+@pytest.mark.parametrize("slope", [20.0, 0.0])
+def test_adaptive_policy_learns_from_the_engines_clock(plain, slope):
+    """With a clock, the engine hands the policy the modelled seconds of each step: where a
+    draft costs 20 steps (no acceptance pays that) it stays at depth 0 but for exploring;
+    where drafting is free (this model's drafts land often) it runs the deepest depth. On
+    this CPU's wall clock both runs would see the same costs and choose alike. The tokens
+    do not change (the clock changes time only)."""
+    clock = VirtualClock(_PricedModel(slope))
+    e = _engine(K, "adaptive", clock=clock)
+    for a, b in zip(plain[0], e.generate(PROMPTS, GREEDY)):
+        assert b.token_ids == a.token_ids
+    steps = e.depth_steps
+    n = sum(steps)
+    assert n == e.timing["steps"] == clock.launches["decode"] > 0
+    if slope:
+        assert steps[0] >= 0.7 * n, steps
+    else:
+        assert steps[K] >= 0.6 * n, steps
+    costs = e.policy.report()["costs_ms"]      # what it learned: the clock's prices exactly
+    assert costs and all(ms == pytest.approx(1 + slope * int(key.split("/")[0][1:]))
+                         for key, ms in costs.items()), costs
 
 
 def test_bad_policy_values_are_refused():

@@ -1,0 +1,184 @@
+"""The H200 clock (`--clock=h200`, `Engine(clock=...)`): the engine runs here and every program
+it launches advances a cost_model.VirtualClock by the modelled price of that program, plus the
+host time measured here. Checked: the clock changes time only (tokens equal the clock-less
+engine's); the modelled device time is exactly the cost model's prices of the programs the
+engine launched (counted by key against the engine's own counters, priced again by a fresh
+model); host time is measured, excludes the caller's callbacks, and is reported; TTFT is on
+the clock; the judge's card with --clock=h200.
+"""
+
+import collections
+import json
+import time
+
+import pytest
+
+import mtpjax
+from experiments import card as card_lib
+from experiments import judge, judge_gate as gate
+from judge_fixtures import write_judge_checkpoint
+from mtpjax.cost_model import CostModel, VirtualClock
+
+from tiny_models import TP_CFG as CFG, TP_ENGINE_KW, TP_PARAMS as PARAMS, TP_PROMPTS, \
+    TP_SAMPLING
+
+K = 2
+PROMPTS = TP_PROMPTS + [[2, 4, 6, 8, 10, 12, 1, 3, 5, 7, 9, 11, 0, 2, 4, 6, 8, 10]]  # 2 chunks
+SAMPLING = TP_SAMPLING + [TP_SAMPLING[1]]
+
+
+class RecordingClock(VirtualClock):
+    """A VirtualClock that also keeps every launch's arguments and price."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        self.calls = []
+
+    def launch(self, key, contexts=(), start=0, is_last=True):
+        s = super().launch(key, contexts, start, is_last)
+        self.calls.append((tuple(key), tuple(contexts), int(start), bool(is_last), s))
+        return s
+
+
+def _engine(clock=None):
+    return mtpjax.Engine(CFG, PARAMS, num_speculative_tokens=K, clock=clock, **TP_ENGINE_KW)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    """The same requests on an engine without a clock and on one with a recording clock."""
+    plain = _engine().generate(PROMPTS, SAMPLING)
+    clock = RecordingClock(CostModel(K=K, page_size=16))
+    e = _engine(clock)
+    outs = e.generate(PROMPTS, SAMPLING)
+    return plain, outs, e, clock, dict(e.timing), e.stats()
+
+
+def test_the_clock_changes_time_only(runs):
+    plain, outs, *_ = runs
+    for a, b in zip(plain, outs):
+        assert b.error is None and b.token_ids == a.token_ids and b.finish_reason == a.finish_reason
+
+
+def test_device_time_is_the_cost_models_price_of_every_launched_program(runs):
+    _, outs, e, clock, timing, _ = runs
+    fresh = CostModel(K=K, page_size=16)
+    prices = [fresh.program(key, ctx, start, last).seconds for key, ctx, start, last, _ in clock.calls]
+    assert clock.device_s == pytest.approx(sum(prices), rel=1e-12)
+    assert [c[-1] for c in clock.calls] == pytest.approx(prices, rel=1e-12)
+    # every program the engine ran is on the clock, counted by key
+    kinds = collections.Counter(key[0] for key, *_ in clock.calls)
+    assert dict(clock.launches) == dict(kinds)
+    assert kinds["decode"] == timing["steps"] == sum(e.depth_steps) > 0
+    assert kinds["prefill"] == timing["prefill_chunks"] > len(PROMPTS)   # the long one: 2 chunks
+    assert kinds["move_lane"] == timing["lane_moves"]
+    assert set(kinds) <= {"decode", "prefill", "move_lane", "snapshot", "snapshot_restore"}
+    # step_s / prefill_s hold modelled seconds
+    dec = sum(c[-1] for c in clock.calls if c[0][0] == "decode")
+    assert timing["step_s"] == pytest.approx(dec, rel=1e-12)
+    assert timing["prefill_s"] == pytest.approx(
+        sum(c[-1] for c in clock.calls if c[0][0] in ("prefill", "snapshot")), rel=1e-12)
+    # decode contexts are the tokens each busy lane has cached: at least its prompt, fewer
+    # than prompt + reply; a prompt's chunks start where the previous one ended
+    shortest, longest = min(map(len, PROMPTS)), max(len(p) + 14 for p in PROMPTS)
+    for key, ctx, *_ in clock.calls:
+        if key[0] == "decode":
+            assert 1 <= len(ctx) <= key[2] and all(shortest <= c < longest for c in ctx), (key, ctx)
+    chunks = [(start, last) for key, _, start, last, _ in clock.calls if key[0] == "prefill"]
+    assert (16, True) in chunks and (0, False) in chunks
+    assert sum(last for _, last in chunks) == len(PROMPTS)
+
+
+def test_host_time_is_measured_reported_and_leaves_callbacks_out(runs):
+    _, outs, e, clock, timing, stats = runs
+    assert clock.host_s > 0 and timing["host_s"] == pytest.approx(clock.host_s)
+    assert stats["clock"]["host_s"] == clock.host_s and stats["clock"]["device_s"] == clock.device_s
+    assert stats["clock"]["now"] == pytest.approx(clock.device_s + clock.host_s)
+    # TTFT on the clock: one first token per request, each after at least its own prefill
+    assert timing["first_tokens"] == len(PROMPTS)
+    least = min(c[-1] for c in clock.calls if c[0][0] == "prefill")
+    assert timing["ttft_s"] >= len(PROMPTS) * least
+    # the caller's on_token time is the caller's, not the engine's host time
+    slept = []
+
+    def slow(i, ids):
+        time.sleep(0.01)
+        slept.append(0.01)
+
+    host0, dev0 = clock.host_s, clock.device_s
+    again = e.generate(PROMPTS[:2], SAMPLING[:2], on_token=slow)
+    assert [o.token_ids for o in again] == [o.token_ids for o in outs[:2]]
+    assert len(slept) >= 10 and clock.device_s > dev0
+    assert clock.host_s - host0 < 0.5 * sum(slept), (clock.host_s - host0, sum(slept))
+
+
+def test_clock_must_price_this_engines_shapes():
+    with pytest.raises(ValueError, match="K = 3"):
+        _engine(VirtualClock(CostModel(K=3, page_size=16)))
+    with pytest.raises(ValueError, match="page_size = 8"):
+        _engine(VirtualClock(CostModel(K=K, page_size=8)))
+    assert card_lib.make_clock("wall", K) is None
+    with pytest.raises(ValueError, match="--clock must be one of"):
+        card_lib.make_clock("h100", K)
+    c = card_lib.make_clock("h200", K, weights="fp8", page_size=16)
+    assert (c.model.K, c.model.weights, c.model.page_size, c.now) == (K, "fp8", 16, 0.0)
+    assert "not timed" in card_lib.predicted_words() and "one H200" in card_lib.predicted_words()
+
+
+@pytest.fixture(scope="module")
+def judge_ckpt(tmp_path_factory):
+    return write_judge_checkpoint(str(tmp_path_factory.mktemp("clock_judge")), peaky=40.0)
+
+
+def test_judge_card_on_the_h200_clock(judge_ckpt, tmp_path):
+    """The smallest judge run (solo, one request, K = 1) with --clock=h200: card.json keeps its
+    keys and says "clock": "h200"; tokens/s are the modelled 27B's (about one decode price per
+    token at one lane, plus host time), not this CPU's; card.md says so near the top."""
+    jc = judge.JudgeConfig(
+        checkpoint=judge_ckpt, out_dir=str(tmp_path), passes=1, workloads=("solo",),
+        solo_requests=1, team_lanes=2, team_requests=2, busy_lanes=2, busy_requests=2,
+        prompt_tokens=16, max_new_tokens=6, gate_prompts=2, fidelity_tokens=2,
+        progress=False, limits=gate.Limits(busy_page_use_floor=0.5), k=1,
+        prefill_buckets=(16,), fidelity_lanes=1, clock="h200")
+    card = judge.run_judge(jc)
+    on_disk = json.load(open(tmp_path / "card.json"))
+    for key in ("ratios", "specscore", "greedy_agreement", "likelihood", "argmax", "fidelity",
+                "lengths", "memory", "acceptance", "limits", "reason", "score",
+                "sampled_agreement", "throughput", "step_time_ms", "settings", "depth_hist",
+                "ttft_ms", "h200"):
+        assert key in on_disk, key
+    assert on_disk["clock"] == "h200" and card["reason"] is None, card["checks"]
+    solo = on_disk["h200"]["workloads"]["solo"]
+    for name, kk in (("stock", 0), ("candidate", 1)):
+        model = CostModel(K=kk)
+        d0 = model.decode(0, 1, [16]).seconds
+        v = solo[name]
+        assert v["device_s"] > 0 and v["host_s"] > 0 and 0 < v["host_share"] < 1
+        assert v["launches"]["decode"] == on_disk["decode_steps"]["solo"][name]
+        ms_per_token = 1e3 / on_disk["throughput"]["solo"][f"{name}_tok_s"][0]
+        assert ms_per_token > 1e3 * d0 * 0.9 and ms_per_token < 1e3 * d0 * 2 + 50, ms_per_token
+        # the first token comes after the prompt's prefill: at least its price
+        assert on_disk["ttft_ms"]["solo"][name] >= 1e3 * model.prefill(16).seconds
+    assert on_disk["h200"]["model"]["model"]["weights"] == "bf16"
+    assert on_disk["draft_verify_ms"] is None          # this CPU's split: not on the clock
+    md = (tmp_path / "card.md").read_text()
+    assert "predicted for Qwen3.5-27B on one H200 by the cost model, not timed" in md[:400]
+    assert "Host time on the clock" in md and "TTFT ms" in md and "clock h200" in md
+
+
+def test_serve_bench_closed_loop_on_the_clock(runs):
+    """serve_bench --clock=h200's level: two clients, the first with two requests in a row
+    (the second goes in when the first ends), on the clocked engine: the requests' tokens are
+    the engine's usual ones, and every time is the clock's."""
+    from experiments import serve_bench
+    plain, _, e, clock, *_ = runs
+    reqs = [[(PROMPTS[0], SAMPLING[0]), (PROMPTS[1], SAMPLING[1])], [(PROMPTS[2], SAMPLING[2])]]
+    now0 = clock.now
+    row = serve_bench.run_level_clocked(e, reqs)
+    assert row["requests"] == 3 and row["clients"] == 2
+    assert row["completion_tokens"] == sum(len(plain[i].token_ids) for i in range(3))
+    assert row["wall_s"] == pytest.approx(clock.now - now0)
+    assert row["wall_s"] == pytest.approx(row["device_s"] + row["host_s"])
+    assert 0 < row["mean_ttft_s"] < row["mean_latency_s"] <= row["wall_s"]
+    assert row["engine_iterations"] > 0 and not e.has_work()
+
