@@ -63,8 +63,9 @@ flags.DEFINE_boolean("prefix_cache", True, "reuse cached prompt prefixes across 
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute dtype")
 flags.DEFINE_string("kernels", None, "gdn/attention kernels (default: pallas on GPU, "
                     "reference elsewhere)")
-flags.DEFINE_boolean("warmup", True, "compile every decode program before serving (no "
-                     "compile stalls mid-run when the adaptive policy changes depth)")
+flags.DEFINE_boolean("warmup", True, "compile every program a run can launch before serving "
+                     "(Engine.warmup: every depth and lane bucket, every prefill chunk bucket, "
+                     "lane moves, snapshots), so no request waits on a compile")
 flags.DEFINE_string("log_level", "warning", "uvicorn log level")
 
 
@@ -563,19 +564,6 @@ async def _completion_chunks(handle, req: ParsedRequest, head: dict):
 
 
 # ------------------------------------------------------------------------------ main
-def warm_prefill(engine) -> int:
-    """Compile the prefill program of every chunk bucket (a one-token request whose prompt
-    fills the bucket; distinct first tokens so no prompt hits another's cached prefix), then
-    drop what the prefix cache kept. Returns how many buckets ran."""
-    from mtpjax.sampling import SamplingParams
-    lengths = [b for b in engine.chunk_buckets if b < engine.max_seq_len]
-    engine.generate([[i % engine.cfg.vocab_size] * b for i, b in enumerate(lengths)],
-                    SamplingParams(max_new_tokens=1))
-    if hasattr(engine, "clear_prefix_cache"):
-        engine.clear_prefix_cache()
-    return len(lengths)
-
-
 def load_server(flag_values=FLAGS) -> Server:
     """Tokenizer, engine and a started OnlineEngine from the flags."""
     import mtpjax
@@ -614,7 +602,6 @@ def load_server(flag_values=FLAGS) -> Server:
         done = iter(range(1, len(plan) + 1))
         n = engine.warmup(progress=lambda key, sec: log(
             f"compiling {next(done)}/{len(plan)}: {program_name(key)} {sec:.1f} s"))
-        n += warm_prefill(engine)
         print(f"[serve] warmup: {n} programs in {time.perf_counter() - t0:.1f}s",
               file=sys.stderr, flush=True)
     name = f.served_model_name or os.path.basename(os.path.normpath(path))

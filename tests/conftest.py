@@ -32,9 +32,29 @@ if os.environ.get("JAX_PLATFORMS") == "cpu" and "host_platform_device_count" not
                                f" --xla_force_host_platform_device_count={CPU_DEVICES}").strip()
 sys.path.insert(0, os.path.dirname(__file__))
 
+# One persistent compilation cache for the whole test session, shared by the pytest-xdist
+# workers and by the `python -m experiments` subprocesses tests start (they read
+# MTPJAX_COMPILATION_CACHE_DIR): the modules build engines of the same few tiny shapes, and
+# each module drops its compiled programs (below), so without it every module compiled the
+# same programs again. Fresh per session (the controller process makes it and removes it at
+# the end; the workers inherit the variable), so nothing leaks between runs; the tests that
+# check caching itself (test_compilation_cache, test_main_job) set their own folders.
+SESSION_CACHE_ENV = "MTPJAX_TEST_SESSION_CACHE"
+if SESSION_CACHE_ENV not in os.environ:
+    import tempfile
+    os.environ[SESSION_CACHE_ENV] = tempfile.mkdtemp(prefix="mtpjax-test-cache-")
+    _OWNS_SESSION_CACHE = True
+else:
+    _OWNS_SESSION_CACHE = False
+os.environ.setdefault("MTPJAX_COMPILATION_CACHE_DIR", os.environ[SESSION_CACHE_ENV])
+
 import jax  # noqa: E402
 
 jax.config.update("jax_default_matmul_precision", "highest")
+jax.config.update("jax_enable_compilation_cache", True)
+jax.config.update("jax_compilation_cache_dir", os.environ[SESSION_CACHE_ENV])
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
 
 
 def _backend() -> str:
@@ -75,3 +95,9 @@ def _release_compiled_programs():
     jax.clear_caches()
     import gc
     gc.collect()
+
+
+def pytest_unconfigure(config):
+    if _OWNS_SESSION_CACHE and not hasattr(config, "workerinput"):
+        import shutil
+        shutil.rmtree(os.environ[SESSION_CACHE_ENV], ignore_errors=True)
