@@ -49,9 +49,9 @@ the bench prices, for every (B, C), the programs the engine launches as mtpjax/c
 predicts them for Qwen3.5-27B on one H200 (`--weights=fp8`: FP8 linears; `--tp`): the decode
 step at every depth 0..k, one chained draft, and a prefill chunk of C tokens, with the bytes
 by term, FLOPs, kernels and seconds of each; `--checkpoint` / `--synthetic` do not matter
-there. The engine sweeps (`--sweep=lanes`, `--sweep=prefix`) build and time their own engines
-(experiments/depth_sweep.py, prefix_bench.py) and are not on the clock yet: they refuse
-`--clock=h200` rather than mix clocks (the judge, speed and serve_bench run engines on it).
+there. `--sweep=lanes --clock=h200` runs the sweep's engines here, each on its own clock
+(real tokens, acceptance and adaptive depths; tokens/s as the cost model prices the 27B on an
+H200). `--sweep=prefix` is not on the clock yet and refuses `--clock=h200`.
 
 The last stdout line is the whole result as one JSON document; `--out` gets the same document.
 `experiments/gpu_check.py` imports this module and reuses its flags and functions.
@@ -650,17 +650,22 @@ def sweep_main(log) -> None:
               f"kernels={kernels}",
               f"workload: L lanes x {FLAGS.sweep_requests_per_lane} greedy requests of "
               f"{FLAGS.sweep_new_tokens} new tokens after {FLAGS.sweep_prompt_tokens}-token "
-              f"held-out prompts; {FLAGS.sweep_passes} interleaved pass(es) per cell"]
+              f"held-out prompts; {FLAGS.sweep_passes} interleaved pass(es) per cell",
+              f"clock: {FLAGS.clock}" + (f" ({card_lib.predicted_words(FLAGS.tp)}: tokens, "
+                                         "acceptance and depths are real)"
+                                         if FLAGS.clock != "wall" else " (timed here)")]
     for line in header:
         log(line)
     res = depth_sweep.run_sweep(cfg, params, prompts, lanes=lanes, depths=depths,
                                 requests_per_lane=FLAGS.sweep_requests_per_lane,
                                 new_tokens=FLAGS.sweep_new_tokens, passes=FLAGS.sweep_passes,
-                                kernels=kernels, page_size=FLAGS.page_size, log=log)
+                                kernels=kernels, page_size=FLAGS.page_size, log=log,
+                                clock=FLAGS.clock)
     table = depth_sweep.format_table(res)
     doc = {"command": command_line(), "date": date, "device": info,
            "model": {**desc, "config": config_summary(cfg), "dtype": dtype},
-           "kernels": kernels, "sweep": "lanes", "seed": FLAGS.seed, **res, "table": table}
+           "kernels": kernels, "sweep": "lanes", "seed": FLAGS.seed, "clock": FLAGS.clock,
+           **res, "table": table}
     log("")
     log("\n".join(header[1:]))
     log("")
@@ -793,12 +798,12 @@ def main(argv):
     del argv
     log = partial(print, flush=True)
     if FLAGS.clock != "wall":
-        if FLAGS.sweep:
-            raise ValueError(f"--sweep={FLAGS.sweep} times its own engines on this machine's "
-                             "wall clock (experiments/depth_sweep.py, prefix_bench.py take no "
-                             "clock yet): run it with --clock=wall, or use the judge, speed or "
-                             "serve_bench with --clock=h200")
-        return clock_main(log)
+        if FLAGS.sweep == "prefix":
+            raise ValueError("--sweep=prefix times its own engines on this machine's wall "
+                             "clock (experiments/prefix_bench.py takes no clock yet): run it "
+                             "with --clock=wall")
+        if not FLAGS.sweep:
+            return clock_main(log)
     if FLAGS.sweep == "prefix":
         return prefix_main(log)
     if FLAGS.sweep:

@@ -178,32 +178,37 @@ def max_seq_len_for(prompt_tokens: int, new_tokens: int) -> int:
 # --------------------------------------------------------------------------------------------
 
 def make_engine(cfg, params, lanes: int, depth: int | str, depths, max_seq_len: int,
-                kernels: str | None, page_size: int = 16, lane_slots: int | None = None):
+                kernels: str | None, page_size: int = 16, lane_slots: int | None = None,
+                clock: str = "wall"):
     """The cell's engine: depth 0 = the stock engine; depth d >= 1 = K = adaptive_k(depths)
     draft slots with the fixed policy at d; adaptive = K slots, adaptive policy. Stop tokens
-    off (see top). lane_slots (default lanes): the device state's lane slots and a pool for
-    all of them (the cell's own page budget is `lanes` lanes at full context), so every cell of
-    one K shares its compiled programs (Engine.shape_key)."""
+    off (see top). lane_slots (default lanes): the device state's lane slots (the Engine's
+    pool then covers all of them; the cell's own page budget is `lanes` lanes at full
+    context), so every cell of one K shares its compiled programs (Engine.shape_key).
+    clock "h200": the engine times itself on its own cost_model.VirtualClock
+    (experiments/card.py make_clock)."""
     import mtpjax
-    from mtpjax.kv_pool import pages_for
+    from experiments import card as card_lib
     from mtpjax.scheduler import SpeculationPolicy
     k = engine_k(depth, depths)
     policy = (ADAPTIVE if depth == ADAPTIVE else
               SpeculationPolicy(depth=int(depth)) if k else "fixed")
-    slots = lanes if lane_slots is None else lane_slots
-    per_lane = pages_for(max_seq_len + 2 * k, page_size)
     return mtpjax.Engine(cfg, params, num_speculative_tokens=k, max_lanes=lanes,
                          max_seq_len=max_seq_len, kernels=kernels, page_size=page_size,
-                         eos_token_ids=(), speculation_policy=policy, lane_slots=slots,
-                         num_pages=lanes * per_lane, pool_pages=slots * per_lane)
+                         eos_token_ids=(), speculation_policy=policy,
+                         lane_slots=lanes if lane_slots is None else lane_slots,
+                         clock=card_lib.make_clock(clock, k, weights=card_lib.clock_weights(params),
+                                                   page_size=page_size))
 
 
 def run_pass(engine, prompts, sampling) -> dict:
-    """One timed generate of the workload: wall seconds, tokens, and what the steps did."""
+    """One timed generate of the workload: seconds on the engine's time (its clock's when it
+    has one, else wall), tokens, and what the steps did."""
+    from experiments import card as card_lib
     engine.reset_timing()
-    t0 = time.perf_counter()
+    t0 = card_lib.now(engine)
     outs = engine.generate(prompts, sampling)
-    seconds = time.perf_counter() - t0
+    seconds = card_lib.now(engine) - t0
     bad = [o.error for o in outs if o.error]
     if bad:
         raise RuntimeError(f"{len(bad)} request(s) failed, first: {bad[0]}")
@@ -273,7 +278,7 @@ def summarize(lanes: int, depth, k: int, passes: list[dict], warmup: dict,
 def run_sweep(cfg, params, prompts: Sequence[Sequence[int]], *, lanes: Sequence[int],
               depths: Sequence[int | str], requests_per_lane: int, new_tokens: int,
               passes: int = 2, kernels: str | None = None, page_size: int = 16,
-              log: Callable[[str], None] = print) -> dict:
+              log: Callable[[str], None] = print, clock: str = "wall") -> dict:
     """Every (lanes, depth) cell; see the module docstring. prompts: at least
     max(lanes) * requests_per_lane of them (lane count L serves the first L * requests_per_lane).
 
@@ -300,7 +305,7 @@ def run_sweep(cfg, params, prompts: Sequence[Sequence[int]], *, lanes: Sequence[
         engines, warmups = {}, {}
         for d in depths:
             engines[d] = make_engine(cfg, params, L, d, depths, max_seq, kernels, page_size,
-                                     lane_slots=max(lanes))
+                                     lane_slots=max(lanes), clock=clock)
             warmups[d] = warm(engines[d], work, sampling, d)
             log(f"  lanes={L:<3d} {label(d):9s} compiled: warm-up generate "
                 f"{warmups[d]['generate_s']:.1f} s, warmup() {warmups[d]['warmup_programs']} "
@@ -335,7 +340,7 @@ def run_sweep(cfg, params, prompts: Sequence[Sequence[int]], *, lanes: Sequence[
                          "new_tokens": new_tokens, "prompt_tokens": prompt_tokens,
                          "max_seq_len": max_seq, "passes": passes, "page_size": page_size,
                          "adaptive_k": adaptive_k(depths) if ADAPTIVE in depths else None,
-                         "temperature": 0.0, "stop_tokens": "off"},
+                         "temperature": 0.0, "stop_tokens": "off", "clock": clock},
             "cells": cells, "elapsed_s": time.perf_counter() - t_start}
 
 

@@ -196,6 +196,31 @@ def test_sweep_table_and_numbers():
     assert any(rows[-1] in entry for entry in log)   # the row was logged when it was done
 
 
+def test_sweep_on_the_h200_clock_prices_the_27b_and_keeps_the_tokens():
+    """clock="h200": each cell's engine times itself on its own VirtualClock, so a pass takes
+    at least its steps' modelled 27B price (a tiny-model step here takes a few ms; the 27B
+    step about 16 ms), and greedy speculation stays lossless. Same shapes as
+    test_sweep_table_and_numbers: no new programs."""
+    from mtpjax.cost_model import CostModel
+    from tiny_models import VOCAB11_CFG, VOCAB11_PARAMS
+    rng = np.random.default_rng(0)
+    prompts = [[int(t) for t in rng.integers(0, VOCAB11_CFG.vocab_size, 5)] for _ in range(4)]
+    res = depth_sweep.run_sweep(VOCAB11_CFG, VOCAB11_PARAMS, prompts, lanes=[1],
+                                depths=[0, 1], requests_per_lane=2, new_tokens=6, passes=1,
+                                kernels="reference", log=lambda line: None, clock="h200")
+    assert res["settings"]["clock"] == "h200"
+    cells = {c["depth"]: c for c in res["cells"]}
+    for d, c in cells.items():
+        floor = CostModel(K=d).decode(d, 1, [0]).seconds   # the cheapest step of this depth
+        for p in c["passes"]:
+            assert p["seconds"] >= p["steps"] * floor, (d, p["seconds"], p["steps"], floor)
+            assert p["seconds"] < p["steps"] * floor * 3 + 1.0   # modelled, not this CPU's compiles
+    assert cells[1]["same_tokens_as_depth0"] == 1.0
+    with pytest.raises(ValueError, match="--clock must be one of"):
+        depth_sweep.make_engine(VOCAB11_CFG, VOCAB11_PARAMS, 1, 0, [0], 32, "reference",
+                                clock="tpu")
+
+
 def _cell(lanes, depth, tps, base, tpv=None, hist=(5,)):
     return {"lanes": lanes, "depth": depth, "tokens_per_s": tps, "ratio_vs_depth0": tps / base,
             "tokens_per_verify_step": tpv, "depth_steps": list(hist)}
