@@ -60,6 +60,18 @@ flags.DEFINE_list("programs", [], "compile only these (names as in the table); d
 flags.DEFINE_integer("min_mb", 1, "smallest data movement counted, MB written per execution")
 flags.DEFINE_float("hbm_gbps", 4800.0, "HBM bandwidth for the predicted time (H200: 4800)")
 flags.DEFINE_string("out_dir", "runs/aot", "where the HLO files and aot.json go")
+flags.DEFINE_bool("kernel_counts", False, "compile every program key the engine launches "
+                  "(decode at each depth 0..K and --kernel_lanes, prefill at --kernel_prefill, "
+                  "draft, move_lane, snapshot save / restore) and write the kernel launches of "
+                  "each into --kernel_counts_out (the cost model's table)")
+flags.DEFINE_list("kernel_lanes", ["1", "8", "32"], "--kernel_counts: decode / draft lane "
+                  "buckets")
+flags.DEFINE_list("kernel_prefill", ["16", "64", "512", "2048"], "--kernel_counts: prefill "
+                  "chunk buckets")
+flags.DEFINE_list("kernel_wide_depths", [], "--kernel_counts: decode depths compiled at the "
+                  "lane buckets after the first (default: every depth 0..K)")
+flags.DEFINE_string("kernel_counts_out", "mtpjax/h200_kernel_counts.py", "--kernel_counts: "
+                    "the table written (entries of other weights / K kept)")
 
 GB = 1e9
 
@@ -99,11 +111,21 @@ def main(argv):
     mesh = aot_programs.target_mesh(FLAGS.target, FLAGS.tp)
     weights = "fp8" if FLAGS.weights == "fp8" else "dense"
     mtp_weights = "fp8" if FLAGS.mtp_weights == "fp8" else "dense"
-    progs = aot_programs.build_programs(
-        cfg, lanes=FLAGS.lanes, max_seq_len=FLAGS.max_seq_len, K=FLAGS.num_speculative_tokens,
-        kernels=kernels, dtype=FLAGS.dtype, page_size=FLAGS.page_size,
-        prefill_chunk=FLAGS.prefill_chunk, mesh=mesh, weights=weights,
-        mtp_weights=mtp_weights, depths=[int(d) for d in FLAGS.depths] or None)
+    if FLAGS.kernel_counts:
+        if FLAGS.tp != 1 or FLAGS.model != "27b" or FLAGS.target != "h200":
+            sys.exit("--kernel_counts is for the 27B on one H200 (tp = 1)")
+        progs = aot_programs.kernel_count_programs(
+            cfg, K=FLAGS.num_speculative_tokens, lanes=[int(b) for b in FLAGS.kernel_lanes],
+            prefill_chunks=[int(t) for t in FLAGS.kernel_prefill],
+            max_seq_len=FLAGS.max_seq_len, page_size=FLAGS.page_size, weights=weights,
+            kernels=kernels, wide_depths=[int(d) for d in FLAGS.kernel_wide_depths] or None)
+    else:
+        progs = aot_programs.build_programs(
+            cfg, lanes=FLAGS.lanes, max_seq_len=FLAGS.max_seq_len,
+            K=FLAGS.num_speculative_tokens, kernels=kernels, dtype=FLAGS.dtype,
+            page_size=FLAGS.page_size, prefill_chunk=FLAGS.prefill_chunk, mesh=mesh,
+            weights=weights, mtp_weights=mtp_weights,
+            depths=[int(d) for d in FLAGS.depths] or None)
     if FLAGS.programs:
         unknown = set(FLAGS.programs) - {p.name for p in progs}
         if unknown:
@@ -112,7 +134,8 @@ def main(argv):
     device = aot_programs.target_device(FLAGS.target)
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     doc = {
-        "command": "python -m experiments aot " + shlex.join(sys.argv[1:]),
+        "command": "python -m experiments aot " + shlex.join(
+            sys.argv[2:] if sys.argv[1:2] == ["aot"] else sys.argv[1:]),
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
         "jax": jax.__version__, "python": platform.python_version(),
         "target": FLAGS.target, "device": str(device), "model": FLAGS.model,
@@ -147,6 +170,20 @@ def main(argv):
           f"dp={FLAGS.dp} (GB = 1e9 bytes{per} per program run; dp replicas run the same "
           f"programs on their own devices)")
     print(_table(rows))
+    if FLAGS.kernel_counts:        # before the pricing: the model reads this table
+        path = write_kernel_counts(FLAGS.kernel_counts_out, rows, weights,
+                                   FLAGS.num_speculative_tokens, FLAGS.page_size,
+                                   doc["command"])
+        print(f"wrote {path}")
+    model_rows = compare_model(rows, cfg, weights=weights, tp=FLAGS.tp,
+                               K=FLAGS.num_speculative_tokens, page_size=FLAGS.page_size,
+                               max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype,
+                               mtp_weights=mtp_weights)
+    if model_rows:
+        doc["cost_model"] = model_rows
+        print("\ntraffic (every kernel's HBM bytes, hlo_audit.traffic) vs the cost model "
+              "(mtpjax/cost_model.py, its kernel counts from the table or the fallback):")
+        print(_model_table(model_rows))
     for r in rows:
         if r["collectives"]:
             col = ", ".join(f"{op} x{c['count']} ({c['bytes'] / 1e6:.2f} MB)"
@@ -179,6 +216,87 @@ def main(argv):
         print(f"  adaptive depth at {FLAGS.lanes} lane(s), acceptance {FLAGS.acceptance}: "
               f"{choice['depth']} (tokens/s at the audit's step time: {rates})")
     print(f"wrote {FLAGS.out_dir}/aot.json and {len(rows)} .hlo.txt")
+
+
+def compare_model(rows: list[dict], cfg, *, weights: str, tp: int, K: int, page_size: int,
+                  max_seq_len: int, dtype: str, mtp_weights: str) -> list[dict]:
+    """Per program: the cost model's moved bytes (Cost.bytes) and floor (Cost.must_read) at
+    the program's shapes (every lane at max_seq_len; a prefill chunk at its start) against
+    the traffic counted in its optimized HLO. Empty where the model does not apply (float32,
+    an FP8 MTP head)."""
+    from mtpjax.cost_model import CostModel
+    if dtype != "bfloat16" or mtp_weights != "dense":
+        return []
+    cm = CostModel(cfg, weights="fp8" if weights == "fp8" else "bf16", tp=tp, K=K,
+                   page_size=page_size)
+    out = []
+    for r in rows:
+        key = tuple(r["key"])
+        if not key:
+            continue
+        lanes = key[2] if key[0] == "decode" else key[1] if key[0] == "draft" else 1
+        c = cm.program(key, [max_seq_len] * lanes, start=r["start"], is_last=True)
+        audit = r["traffic"]["bytes"]
+        out.append({"program": r["program"], "key": list(key), "model_bytes": c.total_bytes,
+                    "must_read_bytes": c.must_read_bytes, "audit_bytes": audit,
+                    "diff": c.total_bytes / audit - 1 if audit else None,
+                    "model_kernels": c.kernels, "audit_kernels": r["traffic"]["kernels"],
+                    "model_s": c.seconds, "model_terms": dict(c.bytes)})
+    return out
+
+
+def _model_table(rows: list[dict]) -> str:
+    head = (f"{'program':<18} {'model_GB':>9} {'audit_GB':>9} {'diff':>7} {'must_GB':>8} "
+            f"{'kernels':>7} {'model_ms':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        diff = "-" if r["diff"] is None else f"{r['diff']:+.2%}"
+        lines.append(f"{r['program']:<18} {r['model_bytes'] / GB:>9.3f} "
+                     f"{r['audit_bytes'] / GB:>9.3f} {diff:>7} "
+                     f"{r['must_read_bytes'] / GB:>8.3f} {r['audit_kernels']:>7} "
+                     f"{r['model_s'] * 1e3:>8.3f}")
+    return "\n".join(lines)
+
+
+def write_kernel_counts(path: str, rows: list[dict], weights: str, K: int, page_size: int,
+                        command: str) -> str:
+    """Write the kernel launches of each compiled program key into the cost model's table
+    module, keeping the entries of other (weights, K) already in it."""
+    import ast
+    wname = "fp8" if weights == "fp8" else "bf16"
+    counts, commands = {}, {}
+    if os.path.exists(path):
+        tree = ast.parse(open(path).read())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and node.targets[0].id in ("COUNTS", "COMMANDS"):
+                (counts if node.targets[0].id == "COUNTS" else commands).update(
+                    ast.literal_eval(node.value))
+    entry = (wname, K, page_size)
+    counts[entry] = {tuple(r["key"]): r["traffic"]["kernels"] for r in rows}
+    commands[entry] = command
+    lines = ['"""Kernel launches per program of Qwen3.5-27B on one H200 (tp = 1), counted in the '
+             'optimized HLO',
+             'of a deviceless compile (experiments/hlo_audit.traffic: every scheduled kernel, '
+             'loop trips',
+             'applied, the cheaper branch of a conditional). GENERATED, do not edit: '
+             'regenerate with the',
+             'command in COMMANDS (experiments/aot.py --kernel_counts). Keyed by (weights, K, '
+             'page_size),',
+             'then by the engine\'s program key (Engine.warmup_plan). Read by '
+             'mtpjax/cost_model.py."""', "",
+             "COMMANDS = {"]
+    for e in sorted(commands):
+        lines.append(f"    {e!r}:\n        {commands[e]!r},")
+    lines += ["}", "", "COUNTS = {"]
+    for e in sorted(counts):
+        lines.append(f"    {e!r}: {{")
+        for k in sorted(counts[e], key=lambda k: (k[0], k[1:])):
+            lines.append(f"        {k!r}: {counts[e][k]},")
+        lines.append("    },")
+    lines += ["}", ""]
+    with open(path, "w") as f:
+        f.write("\n".join(lines))
+    return path
 
 
 def predict_depth(doc: dict, K: int, lanes: int, acceptance: list[float]) -> dict | None:

@@ -18,14 +18,14 @@ import dataclasses
 import os
 import time
 from functools import partial
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from experiments import hlo_audit
-from mtpjax import model, quant, sampling, steps, tensor_parallel
+from mtpjax import model, quant, sampling, snapshots, steps, tensor_parallel
 from mtpjax.config import Config
 from mtpjax.kv_pool import pages_for
 from mtpjax.params import (abstract_params, fp8_paths, get_path, hf_tensor_map, leaf_dtype,
@@ -74,6 +74,8 @@ class Program:
     reads: Reads
     dtype: str          # the weights' dtype (prices the floor's weight bytes)
     mesh: Any = None    # a tensor-parallel mesh: args carry their shardings, floors are per device
+    key: tuple = ()     # the engine's program key (Engine.warmup_plan), e.g. ("decode", d, B)
+    start: int = 0      # prefill: the chunk's position in its lane (what the cost model prices)
 
 
 def _sds(shape, dtype):
@@ -83,14 +85,19 @@ def _sds(shape, dtype):
 def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels: str,
                    dtype: str = "bfloat16", page_size: int = 16,
                    prefill_chunk: int = 64, mesh=None, weights: str = "dense",
-                   mtp_weights: str = "dense", depths=None) -> list[Program]:
+                   mtp_weights: str = "dense", depths=None, snapshot_slots: int = 4
+                   ) -> list[Program]:
     """The engine's programs for an engine of `lanes` lanes drafting K tokens.
 
     decode_k{d}: steps.decode_step of depth d (d drafts verified, d made; depth 0 on a K > 0
     engine drafts nothing and writes the MTP KV only, whose fc + KV-projection read the floor
     leaves out), for d in `depths` (default 0 and K: one program when K = 0); prefill_t{T}: steps.prefill_chunk over one chunk of T tokens (the engine's largest
     bucket); draft: one chained MTP step (steps.draft_chain with k = 2), the unit of the draft
-    path (K >= 1 only). The KV pool holds every lane at full context, as the engine's default.
+    path (K >= 1 only); move_lane (steps.move_lane: lane compaction), snapshot_save and
+    snapshot_restore (mtpjax/snapshots.py, the prefix cache's GDN snapshots, `snapshot_slots`
+    slots): with those, every program the engine launches. The KV pool holds every lane at
+    full context, as the engine's default. A prefill chunk sits at the end of a max_seq_len
+    context (start = max_seq_len - T), the pages its table addresses.
     mesh: a tensor-parallel mesh (of topology devices): weights and caches in their
     tensor-parallel layout and shardings, everything else replicated; the programs run under
     shard_map and their floors count one device's share.
@@ -139,7 +146,7 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
             f"decode_k{k}", steps.decode_step,
             (cfg, params, cache, state, lane_sampling, active, table), dict(k=k, **kw),
             (None, WEIGHT, CACHE, OTHER, OTHER, OTHER, OTHER),
-            Reads(1, k, k, B, max_seq_len, B, **price), dtype, mesh))
+            Reads(1, k, k, B, max_seq_len, B, **price), dtype, mesh, ("decode", k, B)))
     T = prefill_chunk
     scalar = lambda dt: _sds((), dt)
     if mesh is not None:
@@ -154,7 +161,8 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
          one((1, pages_per_lane))),
         dict(k=K, **kw),
         (None, WEIGHT, CACHE, OTHER, OTHER, OTHER, OTHER, OTHER, OTHER, OTHER, OTHER, OTHER),
-        Reads(1, mtp * K, 1 + mtp * K, 1, max_seq_len, 1, **price), dtype, mesh))
+        Reads(1, mtp * K, mtp * K, 1, max_seq_len, 1, **price), dtype, mesh, ("prefill", T),
+        max(max_seq_len - T, 0)))
     if K > 0 and mesh is None:   # the draft chain alone: one-device programs only
         progs.append(Program(
             "draft", _draft_chain,
@@ -162,8 +170,63 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
              _sds((B,), i32), active, table),
             dict(k=2, **kw),
             (None, WEIGHT, CACHE, OTHER, OTHER, OTHER, OTHER, OTHER),
-            Reads(0, 1, 1, B, max_seq_len, 0, **price), dtype))
+            Reads(0, 1, 1, B, max_seq_len, 0, **price), dtype, key=("draft", B)))
+    progs += _copy_programs(cfg, local, cache, state, mesh, snapshot_slots, dtype, price, scalar)
     return progs
+
+
+def _copy_programs(cfg: Config, local: Config, cache, state, mesh, slots: int, dtype: str,
+                   price: dict, scalar) -> list[Program]:
+    """The engine's copy programs: move_lane (one lane's GDN slot, pending count and LaneState
+    row to another slot) and the snapshot save / restore (a lane's recurrent state and conv
+    tail to / from a slot of the store). Their floor: one lane's GDN slot (move_lane) or one
+    snapshot (save / restore) read and written, as `gdn_lanes` = 1 of that size."""
+    store = jax.eval_shape(partial(snapshots.init_snapshots, local, None, slots, dtype))
+    if mesh is not None:
+        store = _sharded(store, snapshots._specs(store), mesh)
+    snap = snapshots.snapshot_bytes(local, dtype)          # one device's share
+    kw = {} if mesh is None else {"mesh": mesh}
+    i32 = jnp.int32
+    one = dict(price, gdn_lane_bytes=snap)
+    return [
+        Program("move_lane", steps.move_lane, (cache, state, scalar(i32), scalar(i32)), kw,
+                (CACHE, OTHER, OTHER, OTHER), Reads(0, 0, 0, 0, 0, 1, **price), dtype, mesh,
+                ("move_lane",)),
+        Program("snapshot_save", snapshots.save, (cache, store, scalar(i32), scalar(i32)), kw,
+                (CACHE, CACHE, OTHER, OTHER), Reads(0, 0, 0, 0, 0, 1, **one), dtype, mesh,
+                ("snapshot",)),
+        Program("snapshot_restore", snapshots.restore,
+                (cache, store, scalar(i32), scalar(i32)), kw, (CACHE, CACHE, OTHER, OTHER),
+                Reads(0, 0, 0, 0, 0, 1, **one), dtype, mesh, ("snapshot_restore",)),
+    ]
+
+
+def kernel_count_programs(cfg: Config, *, K: int, lanes: Sequence[int],
+                          prefill_chunks: Sequence[int], max_seq_len: int = 1024,
+                          page_size: int = 16, weights: str = "dense",
+                          kernels: str = "pallas", wide_depths: Sequence[int] | None = None
+                          ) -> list[Program]:
+    """Every program key the engine launches, once each, for the kernel-count table
+    (mtpjax/h200_kernel_counts.py): decode at each depth 0..K and lane bucket, prefill at
+    each chunk bucket (one lane slot), the draft at each lane bucket, move_lane and the
+    snapshot save / restore (max(lanes, 2) slots: with one slot a lane move is a no-op XLA
+    drops). wide_depths: the decode depths compiled at the lane buckets after the first
+    (default every depth). Keys are unique; names carry the bucket."""
+    out, seen = [], set()
+    copies = {"move_lane", "snapshot_save", "snapshot_restore"}
+    for i, B in enumerate(lanes):
+        for T in (prefill_chunks if i == 0 else prefill_chunks[:1]) or [64]:
+            for p in build_programs(cfg, lanes=B, max_seq_len=max_seq_len, K=K,
+                                    kernels=kernels, page_size=page_size, prefill_chunk=T,
+                                    weights=weights,
+                                    depths=range(K + 1) if i == 0 or wide_depths is None
+                                    else wide_depths):
+                if p.key in seen or (p.name in copies and B != max(max(lanes), 2)):
+                    continue
+                seen.add(p.key)
+                name = p.name + (f"_b{p.key[-1]}" if p.key[0] in ("decode", "draft") else "")
+                out.append(dataclasses.replace(p, name=name))
+    return out
 
 
 # The draft path is a function inside the step programs; compiled alone it needs its own jit
@@ -241,7 +304,9 @@ def _weight_bytes_per_device(cfg: Config, dtype: str, tp: int) -> dict[str, int]
 
 def program_weight_bytes(prog: Program) -> dict[str, int]:
     """weight_bytes of the program's params (one device's share under tp; FP8 leaves priced
-    as stored)."""
+    as stored); zeros for a program without weights (the copy programs)."""
+    if WEIGHT not in prog.arg_kinds:
+        return {"target": 0, "mtp": 0, "lm_head": 0}
     cfg, params = prog.args[0], prog.args[1]
     if quant.has_fp8(params):
         return tree_weight_bytes(cfg, params)
@@ -256,14 +321,17 @@ def floor_terms(prog: Program) -> dict[str, float]:
     pass; gdn_state_rw: one read and one write of each counted lane's GDN slot; lm_head_extra:
     lm_head bytes per extra read.
     """
-    cfg, r = prog.args[0], prog.reads
-    tp = tensor_parallel.mesh_tp(prog.mesh)
+    r = prog.reads
     w = program_weight_bytes(prog)
-    local = tensor_parallel.shard_config(cfg, tp)
+    full_layers = 0
+    if r.target_passes:
+        cfg = prog.args[0]
+        full_layers = tensor_parallel.shard_config(cfg, tensor_parallel.mesh_tp(prog.mesh)
+                                                   ).num_full_layers
     return {
         "weights": float(r.target_passes * w["target"] + r.mtp_passes * w["mtp"]),
         "kv_read": float(r.lanes * r.context * r.kv_token_bytes
-                         * (r.target_passes * local.num_full_layers + r.mtp_passes)),
+                         * (r.target_passes * full_layers + r.mtp_passes)),
         "gdn_state_rw": float(2 * r.gdn_lanes * r.gdn_lane_bytes),
         "lm_head_extra": float(r.lm_head_extra * w["lm_head"]),
     }
@@ -353,6 +421,7 @@ def compile_program(prog: Program, device, *, min_bytes: int = hlo_audit.MB,
     donated = [n for n, i in enumerate(kept) if info[i].donated]
 
     audit = hlo_audit.audit(hlo, param_kinds, min_bytes)
+    traffic = hlo_audit.traffic(hlo, param_kinds).summary()
     mem = compiled.memory_analysis()
     terms = floor_terms(prog)
     roof = hlo_audit.roofline(**terms, data_movement=audit.total, bytes_per_s=bytes_per_s)
@@ -366,12 +435,14 @@ def compile_program(prog: Program, device, *, min_bytes: int = hlo_audit.MB,
                    ("argument", "output", "alias", "temp")} if mem is not None else None,
         "donation": hlo_audit.alias_report(module.aliases, donated, param_names),
         "audit": audit.summary(param_names=param_names),
+        "key": list(prog.key), "start": prog.start,
+        "traffic": traffic,
         "tp": tensor_parallel.mesh_tp(prog.mesh),
         "collectives": hlo_audit.collectives(hlo),
         "weight_copy_bytes": audit.by_kind.get("weight", 0),
         "weight_bytes_by_role": program_weight_bytes(prog),
         "dequantized_weight_buffers": hlo_audit.weight_sized_float_buffers(
-            hlo, fp8_weight_shapes(prog.args[1])),
+            hlo, fp8_weight_shapes(prog.args[1]) if WEIGHT in prog.arg_kinds else []),
         "data_movement_over_weights": audit.total / weight_bytes if weight_bytes else None,
         "roofline": roof,
         "hlo": hlo,

@@ -766,6 +766,244 @@ def base_kind(kind: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------------
+# Traffic: the HBM bytes every scheduled kernel moves (independent of any declared floor)
+# ---------------------------------------------------------------------------------------------
+
+# Scheduled instructions that launch nothing: control flow, tuple plumbing, aliases, and the
+# "done" halves of async pairs (the start is the launch).
+NO_KERNEL = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while",
+             "conditional", "call", "optimization-barrier", "after-all", "add-dependency",
+             "domain", "partition-id", "replica-id", "copy-done", "all-reduce-done",
+             "all-gather-done", "collective-permute-done", "async-done", "send-done",
+             "recv-done", "async-update"}
+SLICING = ("slice", "dynamic-slice", "gather")
+IN_PLACE = {"dynamic-update-slice": 1, "scatter": 2}     # opcode -> index of the update
+
+
+@dataclasses.dataclass(frozen=True)
+class Kernel:
+    """One kernel launch site and the HBM bytes it moves per execution."""
+    computation: str
+    name: str
+    kind: str              # gemm / pallas:<kernel> / fusion / copy / collective / <opcode>
+    read: int              # bytes per execution
+    written: int
+    read_by_kind: Mapping[str, int]    # weight / cache / other (by the operands' provenance)
+    trips: int             # executions per program run
+    branches: tuple[tuple[str, int], ...]
+    op_name: str
+
+    @property
+    def total(self) -> int:
+        return (self.read + self.written) * self.trips
+
+
+def _strip(ins: Instr, by_name) -> Instr:
+    return _through_bitcasts(ins, by_name)
+
+
+def _param_reads(module: Module, comp: Computation) -> dict[int, int | None]:
+    """Per parameter of a fused computation: the bytes the kernel reads of it when it is only
+    sliced (the slices' bytes) or only the in-place buffer of an update (0); None = whole."""
+    by_name = comp.by_name()
+    users: dict[str, list[tuple[Instr, int]]] = {}
+    for ins in comp.instrs:
+        for i, o in enumerate(ins.operands):
+            users.setdefault(o, []).append((ins, i))
+
+    def reads(name: str, seen: set) -> int | None:
+        total = 0
+        for u, idx in users.get(name, []):
+            if u.name in seen:
+                continue
+            seen.add(u.name)
+            if u.opcode in ("bitcast", "reshape"):
+                r = reads(u.name, seen)
+            elif u.opcode in SLICING and idx == 0:
+                r = u.nbytes
+            elif u.opcode in IN_PLACE and idx == 0:
+                r = 0
+            elif u.opcode == "fusion" and u.called:     # a nested fusion (Triton GEMM operands)
+                inner = module.computations[u.called[0]]
+                sub = _param_reads(module, inner).get(idx)
+                r = sub
+            else:
+                r = None
+            if r is None:
+                return None
+            total += r
+        return total
+
+    out = {}
+    for num, p in comp.params().items():
+        r = reads(p.name, set())
+        out[num] = None if r is None else min(r, p.nbytes)
+    return out
+
+
+def _fusion_written(comp: Computation) -> int:
+    """Bytes a fusion writes: each output array, or only the update of an in-place
+    dynamic-update-slice / scatter into one of its parameters; nothing for an output that is
+    a parameter passed through."""
+    by_name = comp.by_name()
+    out = 0
+    for v in _root_values(comp):
+        core = _strip(v, by_name)
+        if core.opcode == "parameter":
+            continue
+        if core.opcode in IN_PLACE:
+            buf = _strip(by_name[core.operands[0]], by_name)
+            upd = by_name.get(core.operands[IN_PLACE[core.opcode]])
+            if buf.opcode == "parameter" and upd is not None:
+                out += upd.nbytes
+                continue
+        out += v.nbytes
+    return out
+
+
+def _kernel_name(ins: Instr) -> str:
+    m = re.search(r"/([A-Za-z0-9_]+)/pallas_call", ins.op_name)
+    return m.group(1) if m else ins.op_name.rsplit("/", 1)[-1]
+
+
+def _paged_pool_read(ins: Instr, operands: list[Instr | None]) -> dict[int, int]:
+    """A paged-attention kernel reads the pool pages its page table addresses, not the
+    whole pool: for each [NKV, num_pages, page_size, HD] operand, min(pool, table entries x
+    page bytes) with the table the i32 [B, pages] operand."""
+    table = next((o for o in operands if o is not None and len(o.shape) == 1
+                  and o.shape[0].dtype == "s32" and len(o.shape[0].dims) == 2), None)
+    if table is None:
+        return {}
+    entries = table.shape[0].dims[0] * table.shape[0].dims[1]
+    out = {}
+    for i, o in enumerate(operands):
+        if o is None or len(o.shape) != 1 or len(o.shape[0].dims) != 4:
+            continue
+        nkv, pages, ps, hd = o.shape[0].dims
+        page_bytes = o.nbytes // pages
+        if pages > 1 and ps > 1:
+            out[i] = min(o.nbytes, entries * page_bytes)
+    return out
+
+
+def kernel_traffic(module: Module, param_kinds: Mapping[int, str] | None = None
+                   ) -> list[Kernel]:
+    """Every kernel a compiled program launches, with the HBM bytes it moves (see
+    `traffic`)."""
+    kinds = param_kinds or {}
+    ctx, _ = schedule_contexts(module)
+    prov = Provenance(module)
+    out = []
+    for cname, c in ctx.items():
+        comp = module.computations[cname]
+        by_name = comp.by_name()
+        for ins in comp.instrs:
+            if ins.opcode in NO_KERNEL:
+                continue
+            opnds = [by_name.get(o) for o in ins.operands]
+            sizes = [o.nbytes if o is not None else 0 for o in opnds]
+            written = ins.nbytes
+            if ins.opcode == "fusion" and ins.called:
+                fused = module.computations[ins.called[0]]
+                pr = _param_reads(module, fused)
+                sizes = [s if pr.get(i) is None else pr[i] for i, s in enumerate(sizes)]
+                written = _fusion_written(fused)
+                cfg = re.search(r'"kind":"([^"]+)"', ins.attrs)
+                kind = "gemm" if cfg and "gemm" in cfg.group(1) else "fusion"
+            elif ins.opcode == "custom-call":
+                target = re.search(r'custom_call_target="([^"]+)"', ins.attrs)
+                target = target.group(1) if target else ""
+                if "triton" in target:
+                    kind = "pallas:" + _kernel_name(ins)
+                    if "paged_attention" in kind:
+                        for i, b in _paged_pool_read(ins, opnds).items():
+                            sizes[i] = b
+                elif "gemm" in target or "cublas" in target:
+                    kind = "gemm"
+                else:
+                    kind = "custom-call:" + target
+            elif ins.opcode in IN_PLACE:          # unfused in-place update
+                upd = IN_PLACE[ins.opcode]
+                sizes = [0 if i == 0 else s for i, s in enumerate(sizes)]
+                written = sizes[upd] if upd < len(sizes) else written
+                kind = ins.opcode
+            elif ins.opcode in ("copy", "copy-start"):
+                kind = "copy"
+                written = sizes[0] if sizes else written
+            elif any(ins.opcode.startswith(op) for op in COLLECTIVE_OPS):
+                kind = "collective"
+            else:
+                kind = ins.opcode
+            by_kind = {k: 0 for k in KIND_ORDER}
+            for o, s in zip(ins.operands, sizes):
+                src = prov.of(cname, o)
+                k = next((k for k in KIND_ORDER if k in {kinds.get(n, "other") for n in src}),
+                         "other")
+                by_kind[k] += s
+            out.append(Kernel(cname, ins.name, kind, int(sum(sizes)), int(written), by_kind,
+                              c.multiplier, c.branches, ins.op_name))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Traffic:
+    """The HBM bytes and kernel launches of one program run, counted kernel by kernel.
+
+    Conditionals: "min" takes, at each outermost conditional, its cheapest branch (by bytes),
+    "max" its most expensive; a branch's kernels are summed (nested conditionals included).
+    """
+    kernels: tuple[Kernel, ...]
+
+    def _pick(self, which: str) -> list[Kernel]:
+        plain = [k for k in self.kernels if not k.branches]
+        branches: dict[str, dict[int, list[Kernel]]] = {}
+        for k in self.kernels:
+            if k.branches:
+                cond, bi = k.branches[0]
+                branches.setdefault(cond, {}).setdefault(bi, []).append(k)
+        choose = min if which == "min" else max
+        for b in branches.values():
+            plain += choose(b.values(), key=lambda ks: sum(k.total for k in ks))
+        return plain
+
+    def bytes(self, which: str = "min") -> int:
+        return sum(k.total for k in self._pick(which))
+
+    def count(self, which: str = "min") -> int:
+        return sum(k.trips for k in self._pick(which))
+
+    def by_kind(self, which: str = "min") -> dict[str, int]:
+        """Bytes read by the operands' kind (weight / cache / other) and written."""
+        out = {f"read_{k}": 0 for k in KIND_ORDER}
+        out["written"] = 0
+        for k in self._pick(which):
+            for kk, b in k.read_by_kind.items():
+                out[f"read_{kk}"] += b * k.trips
+            out["written"] += k.written * k.trips
+        return out
+
+    def by_class(self, which: str = "min") -> dict[str, dict[str, int]]:
+        """Kernel class (gemm, fusion, copy, pallas:<name>, ...) -> launches and bytes."""
+        out: dict[str, dict[str, int]] = {}
+        for k in self._pick(which):
+            d = out.setdefault(k.kind, {"count": 0, "bytes": 0})
+            d["count"] += k.trips
+            d["bytes"] += k.total
+        return dict(sorted(out.items(), key=lambda kv: -kv[1]["bytes"]))
+
+    def summary(self) -> dict:
+        return {"bytes": self.bytes("min"), "bytes_max_branch": self.bytes("max"),
+                "kernels": self.count("min"), "kernels_max_branch": self.count("max"),
+                "by_kind": self.by_kind("min"), "by_class": self.by_class("min")}
+
+
+def traffic(hlo_text: str, param_kinds: Mapping[int, str] | None = None) -> Traffic:
+    """Count, from optimized HLO alone, the HBM bytes a program moves and the kernels it
+    launches (see the module docstring, "Traffic")."""
+    return Traffic(tuple(kernel_traffic(parse_module(hlo_text), param_kinds)))
+
+
+# ---------------------------------------------------------------------------------------------
 # Summary and roofline
 # ---------------------------------------------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """A cost model of Qwen3.5-27B on one H200 (bf16 or FP8 weights; tp 1..8), priced from the
-shapes of the programs the engine launches. FIRST VERSION: the API is final, the numbers are
-being refined (see the validation against the deviceless audit, tests/test_cost_model.py).
+shapes of the programs the engine launches. Its moved bytes (Cost.bytes) are checked against
+the deviceless audit (experiments/hlo_audit.traffic) in tests/test_cost_model.py; Cost.must_read
+is the floor a step needs; kernel counts come from mtpjax/h200_kernel_counts.py.
 
 Time of one program = max(HBM bytes / achievable bandwidth, FLOPs / achievable tensor
 throughput) + launch cost x kernels in the compiled program + a fixed cost per program.
@@ -17,7 +18,8 @@ steps.move_lane, snapshots.save / restore), from the config and the engine's cac
   gdn_state     each lane's GDN slot as the cache holds it: recurrent state [NV, DK, DV] f32
                 read + written, conv window [KC-1+P, CONV] and pending buffers (P = K + 1
                 slots of k, v, g, beta) read + written;
-  activations   per-token tensors between kernels (see `_activation_bytes`).
+  activations   per-token tensors between kernels (see `_activation_bytes`);
+  logits        the f32 logits the samplers write and re-read (SAMPLER_PASSES).
 FLOPs: 2 x tokens x linear weights touched, attention (QK^T and PV over the context), the
 GDN recurrence.
 """
@@ -51,18 +53,62 @@ class Hardware:
 
 H200 = Hardware(
     name="NVIDIA H200 SXM 141 GB",
-    hbm_bytes_per_s=4.0e12,
-    bf16_flops_per_s=660e12,
-    fp8_flops_per_s=1300e12,
-    launch_s=2e-6,
+    hbm_bytes_per_s=4.03e12,
+    bf16_flops_per_s=700e12,
+    fp8_flops_per_s=1400e12,
+    launch_s=2.5e-6,
     program_s=20e-6,
     sources={
-        "hbm_bytes_per_s": "assumption (first version): ~83% of the 4.8 TB/s datasheet peak",
-        "bf16_flops_per_s": "assumption (first version): ~67% of the 989 TFLOP/s dense peak",
-        "fp8_flops_per_s": "assumption (first version): ~66% of the 1979 TFLOP/s dense peak",
-        "launch_s": "assumption (first version)",
-        "program_s": "assumption (first version)",
+        "hbm_bytes_per_s": "proxy, NOT an H200 measurement: the H200 datasheet's 4.8 TB/s HBM3e "
+                           "peak x 0.84, the fraction of its 3.35 TB/s peak an H100 SXM5 reached "
+                           "in measured coalesced matrix loads (2.8 TB/s, Nsight Compute; "
+                           "https://mikamirai.com/blog/gpu-memory-bandwidth/). No published H200 "
+                           "copy / STREAM / nvbandwidth figure was found in the corpora searched "
+                           "(pages, docs: 'nvbandwidth H200', 'H200 STREAM triad'); "
+                           "experiments/gpu_check.py measures it on a lent GPU and should "
+                           "replace this number",
+        "bf16_flops_per_s": "derated datasheet, NOT a measurement: 989 TFLOP/s dense bf16 "
+                            "(H100 / H200 SXM datasheet, same tensor cores) x ~0.7; no measured "
+                            "H100 / H200 cuBLAS bf16 GEMM throughput was found in the corpora "
+                            "searched ('H100 bf16 GEMM TFLOPS measured cuBLAS')",
+        "fp8_flops_per_s": "derated datasheet, NOT a measurement: 1979 TFLOP/s dense fp8 x "
+                           "~0.7; unused while FP8 is weight-only (matmuls run in bf16)",
+        "launch_s": "assumption, bracketed by measurements on other GPUs: a kernel replayed in "
+                    "a CUDA graph costs ~0.9 us including a tiny kernel's run (CUDA.jl: 80 "
+                    "broadcast kernels 70 us as a graph, 260 us launched one by one; "
+                    "https://cuda.juliagpu.org/dev/usage/graphs/), a stream launch ~4-6 us "
+                    "(https://susun-blog.com/blog/pegainfer-3-cuda-graph, RTX 5070 Ti); NVIDIA's "
+                    "'Getting Started with CUDA Graphs' (developer.nvidia.com/blog/cuda-graphs/, "
+                    "V100) times a chain of short kernels both ways. XLA replays only part of a "
+                    "program as command buffers, so 2.5 us sits between the two; gpu_check "
+                    "times a 27B synthetic step against this model",
+        "program_s": "assumption: ~20 us per program launched from the host (one XLA "
+                     "executable: argument handling, the launch, the result's readiness)",
     })
+
+# sampling.verify over the target's logits: full-vocabulary f32 passes per verified row, as
+# the deviceless compile of steps.decode_step shows them (hlo_audit.traffic of the sampler's
+# kernels, Qwen3.5-27B widths, 1..32 lanes, 1..5 rows per lane): about 22 passes at one row
+# per lane, 16.5 at five (per-lane reductions amortize over the rows): a + b / rows.
+SAMPLER_PASSES = (14.9, 7.1)
+# A prefill chunk's per-token activation traffic over `_activation_bytes`'s count, per decoder
+# layer: the deviceless audit of steps.prefill_chunk moves 1.73x (T = 512) to 1.80x (T = 2048)
+# that count per layer and token (the chunked GDN's f32 intermediates: q / k broadcast to the
+# value heads in f32, the conv output in f32), taken as the slope between the full 27B (64
+# layers) and a 2-layer config of its widths, so it follows the layer count. The MTP head's
+# pass over the chunk: what is left of the 2-layer program, 0.27x to 0.88x of the count.
+PREFILL_ACTIVATIONS = 1.76
+PREFILL_MTP_ACTIVATIONS = 0.55
+# XLA's split-K GEMMs at few rows: a prefill chunk of at most SPLIT_K_ROWS tokens (the engine's
+# 16 / 64 buckets) runs a projection whose output is narrow next to its input as S partial
+# products, each written to HBM in f32 and read back by every fusion that consumes the
+# projection (no bf16 output is formed). The deviceless compile of steps.prefill_chunk (the 27B
+# and 2-layer configs at T = 64; none at T = 512 and 2048) shows, per projection: (splits,
+# consuming kernels): the attention's fused q/gate/k/v projection and the GDN's in_proj (2, 4),
+# the attention / GDN output projections (4, 1), the MLP's down projection (8, 1), the MTP
+# head's fc (8, 1). gate_up (34816 wide) is not split.
+SPLIT_K_ROWS = 64
+SPLIT_K = {"qkv": (2, 4), "in_proj": (2, 4), "out": (4, 1), "down": (8, 1), "fc": (8, 1)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +193,8 @@ class CostModel:
         self.gdn_pend_layer = P * nv * (dk + dv + 2) * 4
         self.n_gdn = c.num_linear_layers
         self.n_full = c.num_full_layers
+        self._table = (_kernel_table(weights, K, page_size)
+                       if tp == 1 and self.cfg == qwen3_5_27b() else None)
 
     # ------------------------------------------------------------------ pieces
     def _linear_params(self, role: str) -> float:
@@ -177,8 +225,11 @@ class CostModel:
         return self.n_gdn * 7 * l.linear_num_value_heads * c.linear_key_head_dim \
             * c.linear_value_head_dim * tokens
 
-    def _activation_bytes(self, tokens: float, mtp_tokens: float = 0.0) -> float:
-        """Per-token tensors that cross kernel boundaries (rough first version)."""
+    def _activation_bytes(self, tokens: float, mtp_tokens: float = 0.0,
+                          chunk: bool = False) -> float:
+        """Per-token tensors that cross kernel boundaries: a count of the layer's inputs,
+        projections and MLP intermediates; chunk (a prefill chunk's chunked GDN and its
+        wide GEMM tiles) x PREFILL_ACTIVATIONS, calibrated on the deviceless audit."""
         c, l = self.cfg, self.local
         H, I = c.hidden_size, l.intermediate_size
         per_full = 10 * H + 2 * (2 * l.num_attention_heads + 2 * l.num_key_value_heads) \
@@ -186,7 +237,41 @@ class CostModel:
         per_gdn = 10 * H + 4 * (l.conv_dim + l.linear_num_value_heads * c.linear_value_head_dim) \
             + 6 * I
         per_tok = self.act * (self.n_full * per_full + self.n_gdn * per_gdn)
-        return per_tok * tokens + self.act * (per_full + 4 * H) * mtp_tokens
+        per_mtp = self.act * (per_full + 4 * H)
+        if chunk:
+            per_tok *= PREFILL_ACTIVATIONS
+            per_mtp *= PREFILL_MTP_ACTIVATIONS
+        return per_tok * tokens + per_mtp * mtp_tokens
+
+    def _split_k_bytes(self, tokens: float, mtp_tokens: float) -> float:
+        """The f32 partial products of split-K projections (SPLIT_K), written once and read by
+        each consuming kernel, for `tokens` through the decoder layers and `mtp_tokens`
+        through the MTP head; per token and layer, so it follows the layer count."""
+        c, l = self.cfg, self.local
+        H, hd = c.hidden_size, c.head_dim
+        qkv_n = (2 * l.num_attention_heads + 2 * l.num_key_value_heads) * hd
+        conv = l.conv_dim if self.tp == 1 else _local_conv_dim(c, self.tp)
+        in_n = conv + l.linear_num_value_heads * c.linear_value_head_dim \
+            + 2 * l.linear_num_value_heads
+
+        def part(name: str, width: int) -> float:
+            splits, readers = SPLIT_K[name]
+            return splits * width * 4 * (1 + readers)
+
+        mlp = part("down", H)
+        full = part("qkv", qkv_n) + part("out", H) + mlp
+        gdn = part("in_proj", in_n) + part("out", H) + mlp
+        return tokens * (self.n_full * full + self.n_gdn * gdn) \
+            + mtp_tokens * (full + part("fc", H))
+
+    def _logits_bytes(self, verify_rows: int, rows_per_lane: int, argmax_rows: int) -> float:
+        """The lm_head's f32 logits around the samplers: every row written once by its GEMM;
+        a verified / sampled row read SAMPLER_PASSES times by sampling.verify / sample, an
+        argmax row (a draft) read once."""
+        row = -(-self.cfg.vocab_size // self.tp) * 4
+        a, b = SAMPLER_PASSES
+        passes = a + b / max(rows_per_lane, 1) if verify_rows else 0.0
+        return row * (verify_rows * (1 + passes) + argmax_rows * 2)
 
     def _gdn_bytes(self, lanes: int) -> float:
         return 2 * lanes * self.n_gdn * (self.gdn_state_layer + self.gdn_conv_layer
@@ -210,8 +295,7 @@ class CostModel:
         d, B = int(depth), int(lanes)
         if not 0 <= d <= self.K:
             raise ValueError(f"depth must lie in 0..K={self.K}, got {d}")
-        if B < 1 or len(contexts) > B:
-            raise ValueError(f"{len(contexts)} busy lanes in a bucket of {B}")
+        _check_lanes(B, contexts)
         T = d + 1
         n = len(contexts)
         ctx = float(sum(contexts)) + n * T
@@ -225,7 +309,9 @@ class CostModel:
         }
         moved = dict(must)
         moved["gdn_state"] = self._gdn_bytes(B)
-        moved["activations"] = self._activation_bytes(B * T, B * T * (1 if d else 0) + B * max(d - 1, 0))
+        moved["activations"] = self._activation_bytes(B * T, B * T * (1 if d else 0)
+                                                      + B * max(d - 1, 0))
+        moved["logits"] = self._logits_bytes(B * T, T, B * d)
         flops = 2 * B * T * self._linear_params("target") \
             + 2 * (B * T + B * max(d - 1, 0)) * (self._linear_params("mtp") if d else 0) \
             + 2 * B * d * self._linear_params("lm_head") \
@@ -243,7 +329,7 @@ class CostModel:
         ctx = start * T + T * (T + 1) / 2              # (query, key) pairs, causal
         drafts = {
             "weights": mtp * K * w["mtp"],
-            "lm_head_extra": (1 + mtp * K) * w["lm_head"],
+            "lm_head_extra": mtp * K * w["lm_head"],     # d_1 and K - 1 chained drafts
         }
         launched = {
             "weights": w["target"] + drafts["weights"] + mtp * self._mtp_fill_weights(),
@@ -251,17 +337,21 @@ class CostModel:
             "kv_read": self.kv_token * (self.n_full * (start + T) + mtp * K * (start + T)),
             "kv_write": self.kv_token * (self.n_full * T + mtp * (T + K)),
             "gdn_state": self._gdn_bytes(1),
-            "activations": self._activation_bytes(T, mtp * T),
+            "activations": self._activation_bytes(T, mtp * T, chunk=True),
+            "logits": self._logits_bytes(1, 1, mtp * K),
         }
+        if T <= SPLIT_K_ROWS:
+            launched["split_k"] = self._split_k_bytes(T, mtp * T)
         must = dict(launched)
         if not is_last:     # a non-final chunk needs no first token and no drafts
             must["weights"] = w["target"] + mtp * self._mtp_fill_weights()
             must["lm_head_extra"] = 0.0
+            must["logits"] = self._logits_bytes(1, 1, 0)
             must["kv_read"] = self.kv_token * self.n_full * (start + T)
             must["kv_write"] = self.kv_token * (self.n_full * T + mtp * T)
         flops = 2 * T * self._linear_params("target") + 2 * mtp * K * self._linear_params("mtp") \
             + 2 * mtp * T * 2 * self.cfg.hidden_size ** 2 \
-            + 2 * (1 + mtp * K) * self._linear_params("lm_head") \
+            + 2 * mtp * K * self._linear_params("lm_head") \
             + self.n_full * self._attn_flops(ctx) + self._gdn_flops(T)
         return self._finish(launched, must, flops, self._kernels(("prefill", T)))
 
@@ -274,21 +364,25 @@ class CostModel:
     def draft(self, lanes: int, contexts: Sequence[int]) -> Cost:
         """One chained MTP draft step (MTP layer + lm_head argmax) over `lanes` slots."""
         B = int(lanes)
-        if B < 1 or len(contexts) > B:
-            raise ValueError(f"{len(contexts)} busy lanes in a bucket of {B}")
+        _check_lanes(B, contexts)
         ctx = float(sum(contexts)) + len(contexts)
         w = self.w
         must = {"weights": w["mtp"], "lm_head_extra": w["lm_head"],
                 "kv_read": self.kv_token * ctx, "kv_write": self.kv_token * len(contexts)}
-        moved = dict(must, activations=self._activation_bytes(0, B))
+        moved = dict(must, activations=self._activation_bytes(0, B),
+                     logits=self._logits_bytes(0, 1, B))
         flops = 2 * B * (self._linear_params("mtp") + self._linear_params("lm_head")) \
             + self._attn_flops(ctx)
         return self._finish(moved, must, flops, self._kernels(("draft", B)))
 
     def move_lane(self) -> Cost:
-        """steps.move_lane: one lane's GDN slot (state, conv, pending) read and written."""
-        b = {"gdn_state": self._gdn_bytes(1)}
-        return self._finish(b, b, 0.0, self._kernels(("move_lane",)))
+        """steps.move_lane: one lane's GDN slot (state, conv, pending) read and written (the
+        floor). The compiled program moves it twice: each array's slice is copied out into a
+        temporary by one kernel, then written into the destination slot by another (the
+        deviceless audit shows two kernels per array)."""
+        must = {"gdn_state": self._gdn_bytes(1)}
+        return self._finish({"gdn_state": 2 * self._gdn_bytes(1)}, must, 0.0,
+                            self._kernels(("move_lane",)))
 
     def snapshot_save(self) -> Cost:
         """snapshots.save: a lane's recurrent state and conv tail copied into a slot."""
@@ -326,18 +420,50 @@ class CostModel:
 
     # ------------------------------------------------------------------ kernels
     def _kernels(self, key: tuple) -> int:
-        """Kernel launches in the compiled program. First version: an estimate from the layer
-        structure (about 12 kernels per decoder layer, 15 per MTP pass), until the counts
-        from the deviceless compile (mtpjax/h200_kernel_counts.py) replace it."""
+        """Kernel launches in the compiled program: the deviceless compile's count
+        (mtpjax/h200_kernel_counts.py, the 27B at this weights / K / page size, tp = 1); a
+        prefill chunk bucket or lane bucket missing there takes the nearest one compiled
+        (the count does not follow T, and barely B); otherwise `_kernels_fallback`."""
+        table = self._table
+        if table is None:
+            return self._kernels_fallback(key)
+        if key in table:
+            return table[key]
+        near = [k for k in table if k[:-1] == key[:-1] and len(k) == len(key) > 1]
+        if near:
+            return table[min(near, key=lambda k: (abs(math.log2(k[-1] / key[-1])), k[-1]))]
+        return self._kernels_fallback(key)
+
+    def _kernels_fallback(self, key: tuple) -> int:
+        """An estimate from the layer structure, for configs and keys the table lacks:
+        per decoder layer and per MTP pass as the 27B's table shows them at one lane (decode
+        depth 0: ~26 kernels a layer; each MTP pass ~30 more; prefill ~27 a layer; move_lane
+        two per GDN array, a snapshot one)."""
         L = self.cfg.num_layers
         if key[0] == "decode":
-            d = key[1]
-            return 12 * L + 20 + 15 * d
+            return 26 * L + 30 * key[1] + 10
         if key[0] == "prefill":
-            return 14 * L + 20 + 15 * (self.K + 1)
+            return 27 * L + 30 * self.K + 10
         if key[0] == "draft":
-            return 18
-        return 2 * self.n_gdn
+            return 30
+        if key[0] == "move_lane":
+            return 12 * self.n_gdn + 8
+        return 2 * self.n_gdn + 1
+
+
+def _kernel_table(weights: str, K: int, page_size: int) -> dict | None:
+    try:
+        from mtpjax.h200_kernel_counts import COUNTS
+    except ImportError:
+        return None
+    return COUNTS.get((weights, K, page_size))
+
+
+def _check_lanes(B: int, contexts: Sequence[int]) -> None:
+    if B < 1 or len(contexts) > B:
+        raise ValueError(f"{len(contexts)} busy lanes in a bucket of {B}")
+    if any(c < 0 for c in contexts):
+        raise ValueError(f"contexts must be >= 0 tokens, got {list(contexts)}")
 
 
 def _local_conv_dim(cfg: Config, tp: int) -> int:

@@ -1,0 +1,226 @@
+"""The H200 cost model (mtpjax/cost_model.py) and the traffic counter it is checked against
+(experiments/hlo_audit.traffic).
+
+Three layers, each able to fail:
+  1. traffic() on small programs compiled for the H200 without a GPU, whose bytes are
+     computed by hand: a GEMM with its bias fused, an in-place row update of a donated
+     buffer, a loop (trip counts and the loop carry's copy);
+  2. the model's moved bytes (Cost.bytes) against traffic() of the engine's own programs,
+     compiled deviceless for a config with the 27B's widths (hidden 5120, heads, GDN dims,
+     vocabulary) but two layers (one GDN, one full attention): within 3% for decode depths
+     0..4 at 1, 8 and 32 lanes, prefill chunks 64 / 512 / 2048, the draft, move_lane and the
+     snapshot save / restore. Cost.must_read is the floor: never above the moved bytes;
+  3. invariants of the model and of VirtualClock (no compile).
+The full-27B comparison is `python -m experiments aot --kernel_counts` (its cost-model table).
+Needs the `aot` extra (the CUDA PJRT plugin; no GPU).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import pytest
+from jax import lax
+
+from experiments import aot_programs, hlo_audit
+from mtpjax.config import FULL, LINEAR, qwen3_5_27b
+from mtpjax.cost_model import H200, CostModel, VirtualClock
+
+
+@pytest.fixture(scope="module")
+def h200():
+    return jax.sharding.SingleDeviceSharding(aot_programs.target_device("h200"))
+
+
+def _sds(sh, *shape, dtype=jnp.bfloat16):
+    return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
+
+
+# ---------------------------------------------------------------------------------------------
+# 1. traffic() by hand
+# ---------------------------------------------------------------------------------------------
+
+def test_traffic_gemm_with_fused_bias(h200):
+    """x @ w + b at [256, 512] x [512, 2048]: one kernel (XLA fuses the bias into the GEMM at
+    this shape) reading x, w and b once and writing the output once, all bf16."""
+    M, K, N = 256, 512, 2048
+    c = jax.jit(lambda x, w, b: x @ w + b).lower(
+        _sds(h200, M, K), _sds(h200, K, N), _sds(h200, N)).compile()
+    t = hlo_audit.traffic(c.as_text())
+    assert t.count() == 1, t.kernels
+    assert t.bytes() == 2 * (M * K + K * N + N + M * N)
+    assert t.by_class() == {"gemm": {"count": 1, "bytes": 2 * (M * K + K * N + N + M * N)}}
+
+
+def test_traffic_in_place_row_update_of_a_donated_buffer(h200):
+    """A dynamic-update-slice of one row into a donated [1024, 4096] bf16 buffer moves the
+    row (read + written) and the index, not the 8 MiB buffer."""
+    f = jax.jit(lambda c, r, i: lax.dynamic_update_slice(c, r, (i, 0)), donate_argnums=0)
+    c = f.lower(_sds(h200, 1024, 4096), _sds(h200, 1, 4096),
+                _sds(h200, dtype=jnp.int32)).compile()
+    t = hlo_audit.traffic(c.as_text())
+    assert t.count() == 1
+    assert t.bytes() == 2 * 4096 * 2 + 4
+
+
+def test_traffic_counts_loop_trips(h200):
+    """fori_loop(0, 4, sin(x) * 2) over f32[2^20] (4 MiB): the carry is copied into the
+    loop's buffer once (read + written), then each of the 4 trips reads and writes it; the
+    loop's counter and condition add a few bytes per trip."""
+    f = jax.jit(lambda x: lax.fori_loop(0, 4, lambda i, x: jnp.sin(x) * 2, x))
+    c = f.lower(_sds(h200, 1 << 20, dtype=jnp.float32)).compile()
+    t = hlo_audit.traffic(c.as_text())
+    big = 4 << 20
+    assert 2 * big + 4 * 2 * big <= t.bytes() <= 2 * big + 4 * 2 * big + 200
+    per = {k.name: k.trips for k in t.kernels if k.written == big}
+    assert sorted(per.values()) == [1, 4], per
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. The model against the audit: 27B widths, two layers
+# ---------------------------------------------------------------------------------------------
+
+# The 27B's widths and vocabulary, one layer of each kind (GDN, full attention): the per-layer
+# terms and the per-program ones (lm_head, samplers, MTP head) each show, and a compile takes
+# seconds. The full 27B (64 layers) is checked by `python -m experiments aot --kernel_counts`.
+CFG = dataclasses.replace(qwen3_5_27b(), layer_types=(LINEAR, FULL))
+K, CTX = 4, 1024
+CASES = ([(B, f"decode_k{d}") for B in (1, 8, 32) for d in range(K + 1)]
+         + [(1, "prefill_t64"), (1, "prefill_t512"), (1, "prefill_t2048"), (8, "draft"),
+            (8, "move_lane"), (8, "snapshot_save"), (8, "snapshot_restore")])
+
+
+def _program(lanes: int, name: str):
+    T = int(name.split("_t")[1]) if name.startswith("prefill") else 64
+    depths = [int(name[-1])] if name.startswith("decode") else [0]
+    progs = aot_programs.build_programs(CFG, lanes=lanes, max_seq_len=CTX, K=K,
+                                        kernels="pallas", prefill_chunk=T, depths=depths)
+    return next(p for p in progs if p.name == name)
+
+
+@pytest.fixture(scope="module")
+def audits():
+    """Every case compiled once for the H200 (two at a time: XLA compiles outside the GIL);
+    (lanes, name) -> (Program, traffic summary)."""
+    def one(case):
+        prog = _program(*case)
+        r = aot_programs.compile_program(prog, aot_programs.target_device("h200"))
+        return case, (prog, r["traffic"])
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        return dict(pool.map(one, CASES))
+
+
+@pytest.mark.parametrize("lanes,name", CASES)
+def test_model_bytes_match_the_audit_within_3_percent(audits, lanes, name):
+    prog, traffic = audits[(lanes, name)]
+    audit = traffic["bytes"]
+    busy = prog.key[2] if prog.key[0] == "decode" else prog.key[1] if \
+        prog.key[0] == "draft" else 1
+    cost = CostModel(CFG, K=K).program(prog.key, [CTX] * busy, start=prog.start)
+    msg = (f"{name} at {lanes} lanes: model {cost.total_bytes / 1e9:.4f} GB "
+           f"{ {k: round(v / 1e9, 4) for k, v in cost.bytes.items()} } vs audit "
+           f"{audit / 1e9:.4f} GB, by kernel class "
+           f"{ {k: (v['count'], round(v['bytes'] / 1e9, 4)) for k, v in traffic['by_class'].items()} }")
+    assert abs(cost.total_bytes / audit - 1) <= 0.03, msg
+    assert cost.must_read_bytes <= cost.total_bytes * (1 + 1e-9), msg
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. Invariants (no compile)
+# ---------------------------------------------------------------------------------------------
+
+def test_decode_bytes_grow_with_depth_context_and_lanes():
+    m = CostModel()
+    by_depth = [m.decode(d, 8, [1024] * 8).total_bytes for d in range(5)]
+    assert by_depth == sorted(by_depth) and len(set(by_depth)) == 5
+    assert m.decode(2, 8, [4096] * 8).bytes["kv_read"] > m.decode(2, 8, [1024] * 8).bytes[
+        "kv_read"] > 0
+    assert m.decode(0, 32, [1024] * 32).total_bytes > m.decode(0, 1, [1024]).total_bytes
+    # an idle slot of the bucket still costs its GDN state in moved bytes, not in the floor
+    half = m.decode(0, 8, [1024] * 4)
+    assert half.bytes["gdn_state"] == 2 * half.must_read["gdn_state"]
+
+
+def test_weights_shard_and_shrink():
+    bf16, fp8, tp8 = CostModel(), CostModel(weights="fp8"), CostModel(tp=8)
+    w = bf16.decode(0, 1, [1024]).bytes["weights"]
+    assert 50e9 < w < 54e9                    # the 27B's text weights, lm_head included
+    assert 0.45 * w < fp8.decode(0, 1, [1024]).bytes["weights"] < 0.6 * w
+    assert w / 8 < tp8.decode(0, 1, [1024]).bytes["weights"] < 1.15 * w / 8
+    assert tp8.decode(0, 1, [1024]).seconds < bf16.decode(0, 1, [1024]).seconds
+
+
+def test_time_is_the_roofline_plus_launches():
+    m = CostModel()
+    c = m.decode(0, 1, [1024])
+    assert c.seconds == pytest.approx(max(c.total_bytes / H200.hbm_bytes_per_s,
+                                          c.flops / H200.bf16_flops_per_s)
+                                      + H200.launch_s * c.kernels + H200.program_s)
+    big = m.prefill(2048)                     # 2048 tokens: compute-bound
+    assert big.flops / H200.bf16_flops_per_s > big.total_bytes / H200.hbm_bytes_per_s
+    assert set(H200.sources) == {"hbm_bytes_per_s", "bf16_flops_per_s", "fp8_flops_per_s",
+                                 "launch_s", "program_s"}
+
+
+def test_non_final_prefill_chunk_floor_drops_the_drafts():
+    m = CostModel()
+    last, mid = m.prefill(64, 512, True), m.prefill(64, 512, False)
+    assert mid.total_bytes == last.total_bytes          # the same program runs
+    assert mid.must_read_bytes < last.must_read_bytes - 4 * m.w["lm_head"]
+
+
+def test_kernel_counts_come_from_the_27b_table():
+    from mtpjax.h200_kernel_counts import COUNTS
+    table = COUNTS[("bf16", 4, 16)]
+    m = CostModel()
+    for key in [("decode", d, 1) for d in range(5)] + [("prefill", 64), ("draft", 1),
+                                                         ("snapshot",), ("snapshot_restore",)]:
+        assert m.program(key, [100] if key[0] in ("decode", "draft") else []).kernels \
+            == table[key], key
+    # a bucket not compiled takes the nearest one; another config the fallback formula
+    assert m.program(("prefill", 128)).kernels == table[("prefill", 64)]
+    small = CostModel(CFG)
+    assert small.program(("decode", 0, 1), [10]).kernels == small._kernels_fallback(
+        ("decode", 0, 1))
+
+
+def test_program_dispatch_and_invalid_inputs():
+    m = CostModel()
+    assert m.program(("decode", 2, 4), [10, 20]) == m.decode(2, 4, [10, 20])
+    assert m.program(("prefill", 64), start=64, is_last=False) == m.prefill(64, 64, False)
+    assert m.program(("draft", 2), [5]) == m.draft(2, [5])
+    assert m.program(("move_lane",)) == m.move_lane()
+    assert m.program(("snapshot",)) == m.snapshot_save()
+    assert m.program(("snapshot_restore",)) == m.snapshot_restore()
+    for bad, match in [(lambda: m.program(("verify", 1)), "unknown program"),
+                       (lambda: m.decode(5, 1, [1]), "depth"),
+                       (lambda: m.decode(0, 1, [1, 2]), "busy lanes"),
+                       (lambda: m.decode(0, 2, [-1]), ">= 0"),
+                       (lambda: m.prefill(0), "T >= 1"),
+                       (lambda: CostModel(weights="int4"), "weights"),
+                       (lambda: CostModel(K=-1), "K"),
+                       (lambda: CostModel(page_size=0), "page_size")]:
+        with pytest.raises(ValueError, match=match):
+            bad()
+    with pytest.raises(ValueError):
+        CostModel(tp=3)
+
+
+def test_virtual_clock_accumulates_launches_and_host_time():
+    m = CostModel()
+    clock = VirtualClock(m)
+    a = clock.launch(("decode", 1, 2), [100, 200])
+    b = clock.launch(("prefill", 64), start=0, is_last=True)
+    clock.launch(("decode", 1, 2), [100, 200])
+    clock.add_host(0.5)
+    assert a == m.decode(1, 2, [100, 200]).seconds and b == m.prefill(64).seconds
+    assert clock.device_s == pytest.approx(2 * a + b)
+    assert clock.now == pytest.approx(2 * a + b + 0.5)
+    assert clock.launches == {"decode": 2, "prefill": 1}
+    rep = clock.report()
+    assert rep["host_s"] == 0.5 and rep["hardware"]["sources"] == dict(H200.sources)
+    with pytest.raises(ValueError, match="host"):
+        clock.add_host(-1.0)
