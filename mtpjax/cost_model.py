@@ -18,7 +18,12 @@ steps.move_lane, snapshots.save / restore), from the config and the engine's cac
   gdn_state     each lane's GDN slot as the cache holds it: recurrent state [NV, DK, DV] f32
                 read + written, conv window [KC-1+P, CONV] and pending buffers (P = K + 1
                 slots of k, v, g, beta) read + written;
-  activations   per-token tensors between kernels (see `_activation_bytes`);
+  gdn_conv_copy a decode step's extra copy of each lane's conv window (DECODE_GDN_F32);
+  activations   per-token tensors between kernels (see `_activation_bytes`; a decode step's
+                GDN f32 traffic, DECODE_GDN_F32);
+  split_k       the f32 partial products of the projections XLA splits along their
+                contraction at few rows (SPLIT_K_BY_ROWS: keyed on the rows, lanes x tokens
+                per lane, so 8..80-row decode steps and short prefill chunks pay it);
   logits        the f32 logits the samplers write and re-read (SAMPLER_PASSES).
 FLOPs: 2 x tokens x linear weights touched, attention (QK^T and PV over the context), the
 GDN recurrence.
@@ -86,29 +91,65 @@ H200 = Hardware(
                      "executable: argument handling, the launch, the result's readiness)",
     })
 
-# sampling.verify over the target's logits: full-vocabulary f32 passes per verified row, as
-# the deviceless compile of steps.decode_step shows them (hlo_audit.traffic of the sampler's
-# kernels, Qwen3.5-27B widths, 1..32 lanes, 1..5 rows per lane): about 22 passes at one row
-# per lane, 16.5 at five (per-lane reductions amortize over the rows): a + b / rows.
-SAMPLER_PASSES = (14.9, 7.1)
+# sampling.verify / sample over the target's logits: full-vocabulary f32 passes per verified
+# row, as the deviceless compile of steps.decode_step shows them (hlo_audit.traffic of the
+# sampler's kernels, Qwen3.5-27B widths, 1..160 rows): 18.9 passes at one row, 17.1 at 8, 16.5
+# at 32, 16.4 at 40 and 160 (a few per-row reductions amortize over the batch): a + b / rows.
+SAMPLER_PASSES = (16.35, 2.5)
 # A prefill chunk's per-token activation traffic over `_activation_bytes`'s count, per decoder
 # layer: the deviceless audit of steps.prefill_chunk moves 1.73x (T = 512) to 1.80x (T = 2048)
 # that count per layer and token (the chunked GDN's f32 intermediates: q / k broadcast to the
 # value heads in f32, the conv output in f32), taken as the slope between the full 27B (64
 # layers) and a 2-layer config of its widths, so it follows the layer count. The MTP head's
 # pass over the chunk: what is left of the 2-layer program, 0.27x to 0.88x of the count.
+# (A 16-token chunk moves ~2% more than this count: the chunked GDN pads to 64-token chunks.)
 PREFILL_ACTIVATIONS = 1.76
 PREFILL_MTP_ACTIVATIONS = 0.55
-# XLA's split-K GEMMs at few rows: a prefill chunk of at most SPLIT_K_ROWS tokens (the engine's
-# 16 / 64 buckets) runs a projection whose output is narrow next to its input as S partial
-# products, each written to HBM in f32 and read back by every fusion that consumes the
-# projection (no bf16 output is formed). The deviceless compile of steps.prefill_chunk (the 27B
-# and 2-layer configs at T = 64; none at T = 512 and 2048) shows, per projection: (splits,
-# consuming kernels): the attention's fused q/gate/k/v projection and the GDN's in_proj (2, 4),
-# the attention / GDN output projections (4, 1), the MLP's down projection (8, 1), the MTP
-# head's fc (8, 1). gate_up (34816 wide) is not split.
-SPLIT_K_ROWS = 64
-SPLIT_K = {"qkv": (2, 4), "in_proj": (2, 4), "out": (4, 1), "down": (8, 1), "fc": (8, 1)}
+# A decode step's GDN layers beyond `_activation_bytes`'s bf16 count, fitted to the deviceless
+# audit of steps.decode_step (the slope between the 27B and its 2-layer config, so per GDN
+# layer; 1..32 lanes x 1..5 tokens per lane, K = 4; residual under 0.2% of a program):
+# per token, DECODE_GDN_F32 f32 vectors of the value width (NV x DV): q and k broadcast from
+# the key heads to the value heads, v, the recurrence's output, the pending window's copies,
+# all in f32; per lane, the conv window copied once more than it is updated (a copy kernel
+# reads and writes it: `gdn_conv_layer` moved twice, 0.33 MB per lane and layer at K = 4).
+DECODE_GDN_F32 = 14.6
+# XLA's split-K GEMMs at few rows: a projection whose rows (tokens through it: lanes x tokens
+# per lane in a decode step, the chunk in a prefill) are few next to its contraction runs as S
+# partial products, each written to HBM in f32 and read back by every fusion that consumes the
+# projection (no bf16 output is formed). S depends on the rows, the projection's input width
+# (contraction) and output width, so XLA's choice is the same in every layer and in any layer
+# count: the deviceless compiles of steps.decode_step (27B and a 2-layer config of its widths;
+# 1, 8, 16, 32 lanes x 1..5 tokens) and steps.prefill_chunk show, per projection, S by rows up
+# to the bound (first bound >= rows applies; none above the last: T = 512, 2048 show none).
+# qkv: the attention's fused q/gate/k/v projection (5120 -> 14336); in_proj: the GDN's
+# (5120 -> 16480); out: attention / GDN output projection (6144 -> 5120); down: the MLP's
+# (17408 -> 5120); fc: the MTP head's (10240 -> 5120). gate_up (5120 -> 34816) is never split.
+# These are the 27B's widths at tp = 1; a tp shard's narrower GEMMs are priced with the same
+# table (not compiled: an approximation).
+SPLIT_K_BY_ROWS = (
+    (1, {"out": (4, 1), "down": (8, 1), "fc": (8, 1)}),
+    (40, {"qkv": (4, 4), "in_proj": (4, 5), "out": (8, 1), "down": (8, 1), "fc": (8, 1)}),
+    (48, {"qkv": (4, 4), "in_proj": (2, 5), "out": (8, 1), "down": (8, 1), "fc": (8, 1)}),
+    (80, {"qkv": (2, 4), "in_proj": (2, 5), "out": (4, 1), "down": (8, 1), "fc": (8, 1)}),
+    (96, {"qkv": (2, 4), "out": (4, 1), "down": (4, 1), "fc": (4, 1)}),
+    (128, {"out": (4, 1), "down": (4, 1), "fc": (4, 1)}),
+    (160, {"out": (2, 2), "down": (2, 1), "fc": (2, 1)}),
+)
+# (S, R): S partial products, read back by R kernels each. q/gate/k/v's four readers: the
+# attention, the k / v cache writes, the gate; in_proj's five in a decode step (conv update,
+# pending buffers, q/k/v, the gate z, beta and g), four where a step verifies all P = K + 1
+# tokens of more than one lane (one consumer fuses away); in a prefill chunk six at up to 40
+# rows (T = 16), four above (T = 64); the output projection's two at 160 rows (the residual
+# add and the next norm each read it).
+PREFILL_IN_PROJ_READERS = ((40, 6), (80, 4))
+
+
+def split_k(rows: int) -> dict[str, tuple[int, int]]:
+    """XLA's (splits, readers) per split projection at `rows` rows (SPLIT_K_BY_ROWS)."""
+    for bound, splits in SPLIT_K_BY_ROWS:
+        if rows <= bound:
+            return splits
+    return {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,36 +282,46 @@ class CostModel:
         if chunk:
             per_tok *= PREFILL_ACTIVATIONS
             per_mtp *= PREFILL_MTP_ACTIVATIONS
+        else:
+            per_tok += self.n_gdn * DECODE_GDN_F32 * l.linear_num_value_heads \
+                * c.linear_value_head_dim * 4
         return per_tok * tokens + per_mtp * mtp_tokens
 
-    def _split_k_bytes(self, tokens: float, mtp_tokens: float) -> float:
-        """The f32 partial products of split-K projections (SPLIT_K), written once and read by
-        each consuming kernel, for `tokens` through the decoder layers and `mtp_tokens`
-        through the MTP head; per token and layer, so it follows the layer count."""
+    def _split_k_bytes(self, rows: int, mtp_rows: Sequence[int] = (),
+                       in_proj_readers: int | None = None) -> float:
+        """The f32 partial products of split-K projections (split_k), written once and read
+        by each consuming kernel: `rows` tokens through the decoder layers (per layer, so it
+        follows the layer count), then one MTP-head pass per entry of `mtp_rows` (its fc and
+        its full-attention layer) at that many rows. in_proj_readers: overrides the table's."""
         c, l = self.cfg, self.local
-        H, hd = c.hidden_size, c.head_dim
-        qkv_n = (2 * l.num_attention_heads + 2 * l.num_key_value_heads) * hd
+        hd = c.head_dim
         conv = l.conv_dim if self.tp == 1 else _local_conv_dim(c, self.tp)
-        in_n = conv + l.linear_num_value_heads * c.linear_value_head_dim \
-            + 2 * l.linear_num_value_heads
+        width = {"qkv": (2 * l.num_attention_heads + 2 * l.num_key_value_heads) * hd,
+                 "in_proj": conv + l.linear_num_value_heads * c.linear_value_head_dim
+                 + 2 * l.linear_num_value_heads,
+                 "out": c.hidden_size, "down": c.hidden_size, "fc": c.hidden_size}
 
-        def part(name: str, width: int) -> float:
-            splits, readers = SPLIT_K[name]
-            return splits * width * 4 * (1 + readers)
+        def part(names: tuple, m: int) -> float:
+            total = 0.0
+            for n, (splits, readers) in split_k(m).items():
+                if n in names:
+                    if n == "in_proj" and in_proj_readers is not None:
+                        readers = in_proj_readers
+                    total += m * splits * width[n] * 4 * (1 + readers)
+            return total
 
-        mlp = part("down", H)
-        full = part("qkv", qkv_n) + part("out", H) + mlp
-        gdn = part("in_proj", in_n) + part("out", H) + mlp
-        return tokens * (self.n_full * full + self.n_gdn * gdn) \
-            + mtp_tokens * (full + part("fc", H))
+        full = ("qkv", "out", "down")
+        layers = self.n_full * part(full, rows) + self.n_gdn * part(("in_proj", "out", "down"),
+                                                                    rows) if rows else 0.0
+        return layers + sum(part(full + ("fc",), m) for m in mtp_rows)
 
-    def _logits_bytes(self, verify_rows: int, rows_per_lane: int, argmax_rows: int) -> float:
+    def _logits_bytes(self, verify_rows: int, argmax_rows: int) -> float:
         """The lm_head's f32 logits around the samplers: every row written once by its GEMM;
         a verified / sampled row read SAMPLER_PASSES times by sampling.verify / sample, an
         argmax row (a draft) read once."""
         row = -(-self.cfg.vocab_size // self.tp) * 4
         a, b = SAMPLER_PASSES
-        passes = a + b / max(rows_per_lane, 1) if verify_rows else 0.0
+        passes = a + b / verify_rows if verify_rows else 0.0
         return row * (verify_rows * (1 + passes) + argmax_rows * 2)
 
     def _gdn_bytes(self, lanes: int) -> float:
@@ -308,10 +359,15 @@ class CostModel:
             "gdn_state": self._gdn_bytes(n),
         }
         moved = dict(must)
-        moved["gdn_state"] = self._gdn_bytes(B)
+        moved["gdn_state"] = self._gdn_bytes(B)                  # every slot of the bucket
+        moved["gdn_conv_copy"] = 2 * B * self.n_gdn * self.gdn_conv_layer   # DECODE_GDN_F32
         moved["activations"] = self._activation_bytes(B * T, B * T * (1 if d else 0)
                                                       + B * max(d - 1, 0))
-        moved["logits"] = self._logits_bytes(B * T, T, B * d)
+        moved["logits"] = self._logits_bytes(B * T, B * d)
+        # the target pass over B x T rows; the MTP head's re-run over them and d - 1 chained
+        # drafts over B (depth 0 writes the MTP KV only: no split projection there)
+        moved["split_k"] = self._split_k_bytes(B * T, [B * T] * (d > 0) + [B] * max(d - 1, 0),
+                                               4 if B > 1 and T == self.K + 1 else None)
         flops = 2 * B * T * self._linear_params("target") \
             + 2 * (B * T + B * max(d - 1, 0)) * (self._linear_params("mtp") if d else 0) \
             + 2 * B * d * self._linear_params("lm_head") \
@@ -338,15 +394,16 @@ class CostModel:
             "kv_write": self.kv_token * (self.n_full * T + mtp * (T + K)),
             "gdn_state": self._gdn_bytes(1),
             "activations": self._activation_bytes(T, mtp * T, chunk=True),
-            "logits": self._logits_bytes(1, 1, mtp * K),
+            "logits": self._logits_bytes(1, mtp * K),
         }
-        if T <= SPLIT_K_ROWS:
-            launched["split_k"] = self._split_k_bytes(T, mtp * T)
+        if split_k(T):
+            readers = next((r for bound, r in PREFILL_IN_PROJ_READERS if T <= bound), None)
+            launched["split_k"] = self._split_k_bytes(T, [T] * mtp, readers)
         must = dict(launched)
         if not is_last:     # a non-final chunk needs no first token and no drafts
             must["weights"] = w["target"] + mtp * self._mtp_fill_weights()
             must["lm_head_extra"] = 0.0
-            must["logits"] = self._logits_bytes(1, 1, 0)
+            must["logits"] = self._logits_bytes(1, 0)
             must["kv_read"] = self.kv_token * self.n_full * (start + T)
             must["kv_write"] = self.kv_token * (self.n_full * T + mtp * T)
         flops = 2 * T * self._linear_params("target") + 2 * mtp * K * self._linear_params("mtp") \
@@ -370,7 +427,7 @@ class CostModel:
         must = {"weights": w["mtp"], "lm_head_extra": w["lm_head"],
                 "kv_read": self.kv_token * ctx, "kv_write": self.kv_token * len(contexts)}
         moved = dict(must, activations=self._activation_bytes(0, B),
-                     logits=self._logits_bytes(0, 1, B))
+                     logits=self._logits_bytes(0, B), split_k=self._split_k_bytes(0, [B]))
         flops = 2 * B * (self._linear_params("mtp") + self._linear_params("lm_head")) \
             + self._attn_flops(ctx)
         return self._finish(moved, must, flops, self._kernels(("draft", B)))
