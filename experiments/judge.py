@@ -1016,7 +1016,7 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
         "ratios": ratios,
         "page_use": page_use,
     }
-    verdict = gate.evaluate(measured, jc.limits)
+    verdict = gate.evaluate(measured, jc.limits, dtype=jc.dtype)
     split_at = plans[gate_w][0]
     split_params = quant.set_impl(params, kernels) if quant.has_fp8(params) else params
     # the split times this machine's programs: nothing the H200 clock could say (None there)
@@ -1039,7 +1039,7 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
         "depth_hist": depth_hist,
         "decode_steps": decode_steps,
         "policy": policy,
-        "limits": dataclasses.asdict(jc.limits),
+        "limits": verdict["limits"],         # with the floor the gate applied (dtype default)
         "checks": verdict["checks"],
         "reason": verdict["reason"],
         "score": verdict["score"],

@@ -124,6 +124,9 @@ def test_judge_end_to_end_card(peaky_ckpt, tmp_path):
     assert on_disk["checks"]["busy_page_use"] is True and busy["ok"] is True
     assert busy["least"] == min(busy["stock"], busy["candidate"]) >= 0.5
     assert on_disk["limits"]["busy_page_use_floor"] == 0.5
+    # float32: the gate enforces greedy agreement 1.0 by default, and the card says so
+    assert on_disk["limits"]["greedy_agreement_floor"] == 1.0
+    assert on_disk["checks"]["greedy_agreement"] is True
     md = (tmp_path / "card.md").read_text()
     assert "| busy_page_use (workload validity) |" in md
     assert on_disk["memory"]["workload"] == "team" and "own phase" in on_disk["memory"]["how"]
