@@ -275,7 +275,7 @@ def test_kernel_count_runs_merge_into_the_table(tmp_path):
     to the entry and their command to COMMANDS, keeping what earlier runs stored."""
     import ast
 
-    from experiments.aot import write_kernel_counts
+    from experiments.kernel_counts import write_kernel_counts
 
     def row(key, kernels, nbytes, start=0):
         return {"key": list(key), "start": start,
