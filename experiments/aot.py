@@ -6,7 +6,11 @@ AOT": a compile-only topology device from XLA's published H200 target descriptio
 every argument is a `jax.ShapeDtypeStruct` carrying a `SingleDeviceSharding` of that device.
 
 Programs (experiments/aot_programs.build_programs): decode_k{d} for each depth d of `--depths`
-(steps.decode_step verifying d drafts; default 0 and K), prefill_t{T} (steps.prefill_chunk), draft (one chained MTP step).
+(steps.decode_step verifying d drafts; default 0 and K), mixed_k{d}_t{T} for each depth of
+`--mixed_depths` (the same step carrying a prefill chunk of T = --prefill_chunk tokens: one
+iteration with a prefill in flight, whose weights must be read once; default the decode
+depths), prefill_t{T} (steps.prefill_chunk: a chunk alone, no sampling), draft (one chained
+MTP step), move_lane, snapshot_save, snapshot_restore.
 
 For each it writes `<out_dir>/<program>.hlo.txt` (optimized HLO after the whole XLA GPU
 pipeline) and, in `<out_dir>/aot.json`:
@@ -20,7 +24,8 @@ pipeline) and, in `<out_dir>/aot.json`:
 A compact table goes to stdout.
 
 `--kernel_counts` compiles the program keys the engine launches (decode per depth and lane
-bucket, prefill per chunk bucket, draft, lane move, snapshots; `--programs` picks some) and
+bucket, prefill per chunk bucket, draft, lane move, snapshots, the decode step carrying a chunk
+per `--kernel_mixed_depths` and `--kernel_mixed_chunks`; `--programs` picks some) and
 merges their kernel launches and audited bytes into mtpjax/h200_kernel_counts.py (the cost
 model's kernel counts and its 27B check), printing the cost model's bytes beside the audit's.
 
@@ -55,6 +60,9 @@ flags.DEFINE_integer("lanes", 1, "engine lanes (batch of a decode step)")
 flags.DEFINE_integer("max_seq_len", 1024, "context per lane (KV pool sized for every lane)")
 flags.DEFINE_integer("num_speculative_tokens", 3, "K: the engine's draft slots")
 flags.DEFINE_list("depths", [], "decode depths to compile (each in 0..K); default 0 and K")
+flags.DEFINE_list("mixed_depths", [], "depths of the decode step carrying a prefill chunk of "
+                  "--prefill_chunk tokens (mixed_k{d}_t{T}) to compile; default the decode "
+                  "depths; 'none' for none")
 flags.DEFINE_list("acceptance", ["0.92", "0.84", "0.65", "0.54"],
                   "with every depth 0..K compiled: share of verify steps accepting draft j "
                   "(j = 1..K), to predict the adaptive engine's depth from the audit's step "
@@ -80,6 +88,11 @@ flags.DEFINE_list("kernel_prefill", ["16", "64", "512", "2048"], "--kernel_count
                   "chunk buckets")
 flags.DEFINE_list("kernel_wide_depths", [], "--kernel_counts: decode depths compiled at the "
                   "lane buckets after the first (default: every depth 0..K)")
+flags.DEFINE_list("kernel_mixed_depths", [], "--kernel_counts: depths of the decode step "
+                  "carrying a chunk (\"mixed\" keys), at every --kernel_lanes bucket and "
+                  "--kernel_mixed_chunks chunk (default none)")
+flags.DEFINE_list("kernel_mixed_chunks", ["64"], "--kernel_counts: the riding chunk's length "
+                  "for the mixed keys (the engine's prefill_chunk)")
 flags.DEFINE_string("kernel_counts_out", "mtpjax/h200_kernel_counts.py", "--kernel_counts: "
                     "the table merged into (other entries and program keys kept)")
 
@@ -87,7 +100,7 @@ GB = 1e9
 
 
 def _table(rows: list[dict]) -> str:
-    head = (f"{'program':<12} {'compile_s':>9} {'moved_GB':>8} {'weight':>7} {'cache':>7} "
+    head = (f"{'program':<14} {'compile_s':>9} {'moved_GB':>8} {'weight':>7} {'cache':>7} "
             f"{'other':>7} {'floor_GB':>8} {'est_GB':>7} {'ratio':>6} {'floor_ms':>8} "
             f"{'pred_ms':>7} {'temp_GB':>7} {'aliased':>8}")
     lines = [head, "-" * len(head)]
@@ -96,7 +109,7 @@ def _table(rows: list[dict]) -> str:
         k = a["data_movement_by_kind"]
         temp = r["memory"]["temp"] / GB if r["memory"] else float("nan")
         lines.append(
-            f"{r['program']:<12} {r['compile_s']:>9.1f} {a['data_movement_bytes'] / GB:>8.2f} "
+            f"{r['program']:<14} {r['compile_s']:>9.1f} {a['data_movement_bytes'] / GB:>8.2f} "
             f"{k['weight'] / GB:>7.2f} {k['cache'] / GB:>7.2f} {k['other'] / GB:>7.2f} "
             f"{roof['floor_bytes'] / GB:>8.2f} {roof['estimate_bytes'] / GB:>7.2f} "
             f"{roof['ratio']:>6.2f} {roof['floor_ms']:>8.2f} {roof['predicted_ms']:>7.2f} "
@@ -128,14 +141,18 @@ def main(argv):
             cfg, K=FLAGS.num_speculative_tokens, lanes=[int(b) for b in FLAGS.kernel_lanes],
             prefill_chunks=[int(t) for t in FLAGS.kernel_prefill],
             max_seq_len=FLAGS.max_seq_len, page_size=FLAGS.page_size, weights=weights,
-            kernels=kernels, wide_depths=[int(d) for d in FLAGS.kernel_wide_depths] or None)
+            kernels=kernels, wide_depths=[int(d) for d in FLAGS.kernel_wide_depths] or None,
+            mixed_depths=[int(d) for d in FLAGS.kernel_mixed_depths],
+            mixed_chunks=[int(t) for t in FLAGS.kernel_mixed_chunks])
     else:
         progs = aot_programs.build_programs(
             cfg, lanes=FLAGS.lanes, max_seq_len=FLAGS.max_seq_len,
             K=FLAGS.num_speculative_tokens, kernels=kernels, dtype=FLAGS.dtype,
             page_size=FLAGS.page_size, prefill_chunk=FLAGS.prefill_chunk, mesh=mesh,
             weights=weights, mtp_weights=mtp_weights,
-            depths=[int(d) for d in FLAGS.depths] or None)
+            depths=[int(d) for d in FLAGS.depths] or None,
+            mixed_depths=_mixed_depths(FLAGS.mixed_depths, FLAGS.depths,
+                                       FLAGS.num_speculative_tokens))
     if FLAGS.programs:
         unknown = set(FLAGS.programs) - {p.name for p in progs}
         if unknown:
@@ -228,12 +245,20 @@ def main(argv):
     print(f"wrote {FLAGS.out_dir}/aot.json and {len(rows)} .hlo.txt")
 
 
+def _mixed_depths(given: list[str], depths: list[str], K: int) -> list[int]:
+    """--mixed_depths: 'none' -> [], empty -> the decode depths (default 0 and K)."""
+    if [d.strip().lower() for d in given] == ["none"]:
+        return []
+    return sorted({int(d) for d in given or depths} or {0, K})
+
+
 def compare_model(rows: list[dict], cfg, *, weights: str, tp: int, K: int, page_size: int,
                   max_seq_len: int, dtype: str, mtp_weights: str) -> list[dict]:
     """Per program: the cost model's moved bytes (Cost.bytes) and floor (Cost.must_read) at
-    the program's shapes (every lane at max_seq_len; a prefill chunk at its start) against
-    the traffic counted in its optimized HLO. Empty where the model does not apply (float32,
-    an FP8 MTP head)."""
+    the program's shapes (every lane at max_seq_len; a prefill chunk, alone or riding, at its
+    start) against the traffic counted in its optimized HLO, and the weight bytes both read
+    (audit: every kernel's reads of weight parameters; an iteration with a chunk riding must
+    read them once). Empty where the model does not apply (float32, an FP8 MTP head)."""
     from mtpjax.cost_model import CostModel
     if dtype != "bfloat16" or mtp_weights != "dense":
         return []
@@ -244,12 +269,15 @@ def compare_model(rows: list[dict], cfg, *, weights: str, tp: int, K: int, page_
         key = tuple(r["key"])
         if not key:
             continue
-        lanes = key[2] if key[0] == "decode" else key[1] if key[0] == "draft" else 1
-        c = cm.program(key, [max_seq_len] * lanes, start=r["start"], is_last=True)
+        lanes = key[2] if key[0] in ("decode", "mixed") else key[1] if key[0] == "draft" \
+            else 1
+        c = cm.program(key, [max_seq_len] * lanes, start=r["start"])
         audit = r["traffic"]["bytes"]
         out.append({"program": r["program"], "key": list(key), "model_bytes": c.total_bytes,
                     "must_read_bytes": c.must_read_bytes, "audit_bytes": audit,
                     "diff": c.total_bytes / audit - 1 if audit else None,
+                    "model_weight_bytes": c.bytes.get("weights", 0.0),
+                    "audit_weight_bytes": r["traffic"]["by_kind"]["read_weight"],
                     "model_kernels": c.kernels, "audit_kernels": r["traffic"]["kernels"],
                     "model_s": c.seconds, "model_terms": dict(c.bytes)})
     return out
@@ -257,13 +285,14 @@ def compare_model(rows: list[dict], cfg, *, weights: str, tp: int, K: int, page_
 
 def _model_table(rows: list[dict]) -> str:
     head = (f"{'program':<18} {'model_GB':>9} {'audit_GB':>9} {'diff':>7} {'must_GB':>8} "
-            f"{'kernels':>7} {'model_ms':>8}")
+            f"{'wts_GB':>7} {'audit_wts':>9} {'kernels':>7} {'model_ms':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
         diff = "-" if r["diff"] is None else f"{r['diff']:+.2%}"
         lines.append(f"{r['program']:<18} {r['model_bytes'] / GB:>9.3f} "
                      f"{r['audit_bytes'] / GB:>9.3f} {diff:>7} "
-                     f"{r['must_read_bytes'] / GB:>8.3f} {r['audit_kernels']:>7} "
+                     f"{r['must_read_bytes'] / GB:>8.3f} {r['model_weight_bytes'] / GB:>7.3f} "
+                     f"{r['audit_weight_bytes'] / GB:>9.3f} {r['audit_kernels']:>7} "
                      f"{r['model_s'] * 1e3:>8.3f}")
     return "\n".join(lines)
 

@@ -41,10 +41,11 @@ class Reads:
 
     target_passes: target-model forwards (each reads every target weight once, lm_head
         included); mtp_passes: MTP-layer passes (each re-reads the MTP weights: chained drafts
-        are sequential); lm_head_extra: lm_head reads beyond the target's (one per draft made,
-        one for a prefill's first token); lanes x context: KV tokens read (target layers per
-        target pass, the MTP layer per MTP pass); gdn_lanes: lanes whose GDN state
-        (recurrent state, conv window, pending buffers) is read and written once.
+        are sequential); lm_head_extra: lm_head reads beyond the target's (one per draft
+        made); lanes x context: KV tokens read (target layers per target pass, the MTP layer
+        per MTP pass); gdn_lanes: lanes whose GDN state (recurrent state, conv window,
+        pending buffers) is read and written once. A prefill chunk alone samples nothing: its
+        target pass reads no lm_head (target_lm_head False).
     kv_token_bytes (K and V of one token in one layer) and gdn_lane_bytes (one lane's GDN
     slot, all layers) price them; they depend on the cache layout, so build_programs sets them.
     """
@@ -56,6 +57,7 @@ class Reads:
     gdn_lanes: int
     kv_token_bytes: int
     gdn_lane_bytes: int
+    target_lm_head: bool = True
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,19 +87,24 @@ def _sds(shape, dtype):
 def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels: str,
                    dtype: str = "bfloat16", page_size: int = 16,
                    prefill_chunk: int = 64, mesh=None, weights: str = "dense",
-                   mtp_weights: str = "dense", depths=None, snapshot_slots: int = 4
-                   ) -> list[Program]:
+                   mtp_weights: str = "dense", depths=None, snapshot_slots: int = 4,
+                   mixed_depths=()) -> list[Program]:
     """The engine's programs for an engine of `lanes` lanes drafting K tokens.
 
     decode_k{d}: steps.decode_step of depth d (d drafts verified, d made; depth 0 on a K > 0
     engine drafts nothing and writes the MTP KV only, whose fc + KV-projection read the floor
-    leaves out), for d in `depths` (default 0 and K: one program when K = 0); prefill_t{T}: steps.prefill_chunk over one chunk of T tokens (the engine's largest
-    bucket); draft: one chained MTP step (steps.draft_chain with k = 2), the unit of the draft
-    path (K >= 1 only); move_lane (steps.move_lane: lane compaction), snapshot_save and
-    snapshot_restore (mtpjax/snapshots.py, the prefix cache's GDN snapshots, `snapshot_slots`
-    slots): with those, every program the engine launches. The KV pool holds every lane at
-    full context, as the engine's default. A prefill chunk sits at the end of a max_seq_len
-    context (start = max_seq_len - T), the pages its table addresses.
+    leaves out), for d in `depths` (default 0 and K: one program when K = 0);
+    mixed_k{d}_t{T}: the same step carrying one prefill chunk of T = prefill_chunk tokens
+    (steps.decode_step(chunk=...), key ("mixed", d, lanes, T)), for d in `mixed_depths`
+    (default none): an iteration with a prefill in flight, which must read the weights once;
+    prefill_t{T}: steps.prefill_chunk over one chunk of T tokens alone (no sampling, no
+    drafts: what an iteration runs when no lane decodes); draft: one chained MTP step
+    (steps.draft_chain with k = 2), the unit of the draft path (K >= 1 only); move_lane
+    (steps.move_lane: lane compaction), snapshot_save and snapshot_restore
+    (mtpjax/snapshots.py, the prefix cache's GDN snapshots, `snapshot_slots` slots): with
+    those, every program the engine launches. The KV pool holds every lane at full context,
+    as the engine's default. A prefill chunk (alone or riding) sits at the end of a
+    max_seq_len context (start = max_seq_len - T), the pages its table addresses.
     mesh: a tensor-parallel mesh (of topology devices): weights and caches in their
     tensor-parallel layout and shardings, everything else replicated; the programs run under
     shard_map and their floors count one device's share.
@@ -128,41 +135,45 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
                                           top_p=_sds((B,), f32), seed=_sds((B,), jnp.uint32))
     active = _sds((B,), jnp.bool_)
     table = _sds((B, pages_per_lane), i32)
+    join = steps.Join(_sds((B,), jnp.bool_), _sds((B,), i32), _sds((B,), i32))
+    T = prefill_chunk
+    chunk = steps.Chunk(lane=_sds((), i32), tokens=_sds((1, T), i32),
+                        next_tokens=_sds((1, T), i32), start=_sds((), i32),
+                        n_valid=_sds((), i32), page_table=_sds((1, pages_per_lane), i32))
     kw = dict(kernels=kernels)
+    scalar = lambda dt: _sds((), dt)
     if mesh is not None:
         kw["mesh"] = mesh
         rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        state, lane_sampling, active, table = _place((state, lane_sampling, active, table), rep)
-    mtp = 1 if K > 0 else 0
+        state, lane_sampling, active, table, join, chunk = _place(
+            (state, lane_sampling, active, table, join, chunk), rep)
+        scalar = lambda dt: _place(_sds((), dt), rep)
     price = dict(kv_token_bytes=2 * local.num_key_value_heads * cfg.head_dim
                  * jnp.dtype(local_cache.kv[0].k.dtype).itemsize,
                  gdn_lane_bytes=_nbytes(local_cache.gdn) // B)     # one device's share
+    start = max(max_seq_len - T, 0)
     progs = []
     depths = sorted({0, K} if depths is None else set(map(int, depths)))
-    if depths[0] < 0 or depths[-1] > K:
-        raise ValueError(f"depths must lie in 0..K={K}, got {depths}")
+    mixed_depths = sorted(set(map(int, mixed_depths)))
+    for ds in (depths, mixed_depths):
+        if ds and (ds[0] < 0 or ds[-1] > K):
+            raise ValueError(f"depths must lie in 0..K={K}, got {ds}")
+    step_args = (cfg, params, cache, state, lane_sampling, active, table, join)
+    step_kinds = (None, WEIGHT, CACHE, OTHER, OTHER, OTHER, OTHER, OTHER)
     for k in depths:      # k MTP passes: the re-run over the accepted pairs + k - 1 chained
         progs.append(Program(
-            f"decode_k{k}", steps.decode_step,
-            (cfg, params, cache, state, lane_sampling, active, table), dict(k=k, **kw),
-            (None, WEIGHT, CACHE, OTHER, OTHER, OTHER, OTHER),
+            f"decode_k{k}", steps.decode_step, step_args, dict(k=k, **kw), step_kinds,
             Reads(1, k, k, B, max_seq_len, B, **price), dtype, mesh, ("decode", k, B)))
-    T = prefill_chunk
-    scalar = lambda dt: _sds((), dt)
-    if mesh is not None:
-        scalar = lambda dt: _place(_sds((), dt), rep)
-        one = lambda shape: _place(_sds(shape, i32), rep)
-    else:
-        one = lambda shape: _sds(shape, i32)
+    for k in mixed_depths:   # the step's floor plus the chunk's lane: one more GDN slot
+        progs.append(Program(
+            f"mixed_k{k}_t{T}", steps.decode_step, step_args + (chunk,), dict(k=k, **kw),
+            step_kinds + (OTHER,), Reads(1, k, k, B, max_seq_len, B + 1, **price), dtype,
+            mesh, ("mixed", k, B, T), start))
     progs.append(Program(
-        f"prefill_t{T}", steps.prefill_chunk,
-        (cfg, params, cache, state, lane_sampling, scalar(i32), one((1, T)),
-         one((1, T)), scalar(i32), scalar(i32), scalar(jnp.bool_),
-         one((1, pages_per_lane))),
-        dict(k=K, **kw),
-        (None, WEIGHT, CACHE, OTHER, OTHER, OTHER, OTHER, OTHER, OTHER, OTHER, OTHER, OTHER),
-        Reads(1, mtp * K, mtp * K, 1, max_seq_len, 1, **price), dtype, mesh, ("prefill", T),
-        max(max_seq_len - T, 0)))
+        f"prefill_t{T}", steps.prefill_chunk, (cfg, params, cache, chunk), dict(k=K, **kw),
+        (None, WEIGHT, CACHE, OTHER), Reads(1, 0, 0, 1, max_seq_len, 1, **price,
+                                            target_lm_head=False), dtype, mesh,
+        ("prefill", T), start))
     if K > 0 and mesh is None:   # the draft chain alone: one-device programs only
         progs.append(Program(
             "draft", _draft_chain,
@@ -204,28 +215,40 @@ def _copy_programs(cfg: Config, local: Config, cache, state, mesh, slots: int, d
 def kernel_count_programs(cfg: Config, *, K: int, lanes: Sequence[int],
                           prefill_chunks: Sequence[int], max_seq_len: int = 1024,
                           page_size: int = 16, weights: str = "dense",
-                          kernels: str = "pallas", wide_depths: Sequence[int] | None = None
+                          kernels: str = "pallas", wide_depths: Sequence[int] | None = None,
+                          mixed_depths: Sequence[int] = (), mixed_chunks: Sequence[int] = ()
                           ) -> list[Program]:
     """Every program key the engine launches, once each, for the kernel-count table
     (mtpjax/h200_kernel_counts.py): decode at each depth 0..K and lane bucket, prefill at
     each chunk bucket (one lane slot), the draft at each lane bucket, move_lane and the
     snapshot save / restore (max(lanes, 2) slots: with one slot a lane move is a no-op XLA
-    drops). wide_depths: the decode depths compiled at the lane buckets after the first
-    (default every depth). Keys are unique; names carry the bucket."""
+    drops), and the decode step carrying a chunk ("mixed") at each of `mixed_depths`, lane
+    bucket and chunk of `mixed_chunks` (none by default). wide_depths: the decode depths
+    compiled at the lane buckets after the first (default every depth). Keys are unique;
+    names carry the bucket."""
     out, seen = [], set()
     copies = {"move_lane", "snapshot_save", "snapshot_restore"}
+
+    def add(progs, i):
+        for p in progs:
+            if p.key in seen or (p.name in copies and lanes[i] != max(max(lanes), 2)):
+                continue
+            seen.add(p.key)
+            name = p.name + (f"_b{p.key[2] if p.key[0] == 'mixed' else p.key[-1]}"
+                             if p.key[0] in ("decode", "draft", "mixed") else "")
+            out.append(dataclasses.replace(p, name=name))
+
+    common = dict(max_seq_len=max_seq_len, K=K, kernels=kernels, page_size=page_size,
+                  weights=weights)
     for i, B in enumerate(lanes):
         for T in (prefill_chunks if i == 0 else prefill_chunks[:1]) or [64]:
-            for p in build_programs(cfg, lanes=B, max_seq_len=max_seq_len, K=K,
-                                    kernels=kernels, page_size=page_size, prefill_chunk=T,
-                                    weights=weights,
-                                    depths=range(K + 1) if i == 0 or wide_depths is None
-                                    else wide_depths):
-                if p.key in seen or (p.name in copies and B != max(max(lanes), 2)):
-                    continue
-                seen.add(p.key)
-                name = p.name + (f"_b{p.key[-1]}" if p.key[0] in ("decode", "draft") else "")
-                out.append(dataclasses.replace(p, name=name))
+            add(build_programs(cfg, lanes=B, prefill_chunk=T,
+                               depths=range(K + 1) if i == 0 or wide_depths is None
+                               else wide_depths, **common), i)
+        for T in mixed_chunks if mixed_depths else ():
+            add([p for p in build_programs(cfg, lanes=B, prefill_chunk=T, depths=[],
+                                           mixed_depths=mixed_depths, **common)
+                 if p.key[0] == "mixed"], i)
     return out
 
 
@@ -316,7 +339,8 @@ def program_weight_bytes(prog: Program) -> dict[str, int]:
 def floor_terms(prog: Program) -> dict[str, float]:
     """Bytes a program must move at least: its `Reads`, priced.
 
-    weights: target weights per target pass + MTP head weights per MTP pass; kv_read: lanes x
+    weights: target weights per target pass (less the lm_head where the pass samples
+    nothing: a prefill chunk alone) + MTP head weights per MTP pass; kv_read: lanes x
     context tokens of the target layers' K and V per target pass and of the MTP layer's per MTP
     pass; gdn_state_rw: one read and one write of each counted lane's GDN slot; lm_head_extra:
     lm_head bytes per extra read.
@@ -329,7 +353,9 @@ def floor_terms(prog: Program) -> dict[str, float]:
         full_layers = tensor_parallel.shard_config(cfg, tensor_parallel.mesh_tp(prog.mesh)
                                                    ).num_full_layers
     return {
-        "weights": float(r.target_passes * w["target"] + r.mtp_passes * w["mtp"]),
+        "weights": float(r.target_passes * (w["target"] - (0 if r.target_lm_head
+                                                           else w["lm_head"]))
+                         + r.mtp_passes * w["mtp"]),
         "kv_read": float(r.lanes * r.context * r.kv_token_bytes
                          * (r.target_passes * full_layers + r.mtp_passes)),
         "gdn_state_rw": float(2 * r.gdn_lanes * r.gdn_lane_bytes),
@@ -385,14 +411,31 @@ def _kept_params(lowered, n_leaves: int) -> list[int]:
 
 def compile_traffic(prog: Program, device) -> dict[str, Any]:
     """Lower and compile one one-device Program for `device` and count its kernels' HBM
-    traffic (hlo_audit.traffic(...).summary()) and nothing else: what the cost model's test
-    needs, without compile_program's audit, floors and donation report (parsing the HLO once,
-    not five times)."""
+    traffic (hlo_audit.traffic(...).summary(), reads split by the operands' kind: weight /
+    cache / other) and nothing else: what the cost model's test needs, without
+    compile_program's audit, floors and donation report (parsing the HLO once, not five
+    times)."""
     sh = jax.sharding.SingleDeviceSharding(device)
     args = tuple(a if kind is None else _place(a, sh) for a, kind in zip(prog.args,
                                                                           prog.arg_kinds))
-    compiled = prog.fn.lower(*args, **prog.kwargs).compile()
-    return hlo_audit.traffic(compiled.as_text()).summary()
+    lowered = prog.fn.lower(*args, **prog.kwargs)
+    param_kinds, _, _ = _entry_params(prog, lowered)
+    return hlo_audit.traffic(lowered.compile().as_text(), param_kinds).summary()
+
+
+def _entry_params(prog: Program, lowered):
+    """(HLO entry parameter number -> kind: weight / cache / other; the dynamic leaves'
+    donation info; the flat leaf index of each entry parameter: jit drops unused ones)."""
+    leaf_kinds = []
+    for a, kind in zip(prog.args, prog.arg_kinds):
+        if kind is not None:
+            leaf_kinds += [kind] * len(jax.tree.leaves(a))
+    info = [x for x in jax.tree.leaves(lowered.args_info[0]) if hasattr(x, "donated")]
+    if len(info) != len(leaf_kinds):
+        raise RuntimeError(f"{prog.name}: {len(info)} dynamic leaves in args_info, "
+                           f"{len(leaf_kinds)} in the Program's args")
+    kept = _kept_params(lowered, len(leaf_kinds))
+    return {n: leaf_kinds[i] for n, i in enumerate(kept)}, info, kept
 
 
 def compile_program(prog: Program, device, *, min_bytes: int = hlo_audit.MB,
@@ -415,19 +458,7 @@ def compile_program(prog: Program, device, *, min_bytes: int = hlo_audit.MB,
     hlo = compiled.as_text()
 
     # entry parameter number -> kind / name / donated, from the dynamic arguments' leaves
-    leaf_kinds, leaf_names = [], []
-    for a, kind in zip(prog.args, prog.arg_kinds):
-        if kind is None:
-            continue
-        for path, _ in jax.tree_util.tree_flatten_with_path(a)[0]:
-            leaf_kinds.append(kind)
-            leaf_names.append(jax.tree_util.keystr(path))
-    info = [x for x in jax.tree.leaves(lowered.args_info[0]) if hasattr(x, "donated")]
-    if len(info) != len(leaf_kinds):
-        raise RuntimeError(f"{prog.name}: {len(info)} dynamic leaves in args_info, "
-                           f"{len(leaf_kinds)} in the Program's args")
-    kept = _kept_params(lowered, len(leaf_kinds))
-    param_kinds = {n: leaf_kinds[i] for n, i in enumerate(kept)}
+    param_kinds, info, kept = _entry_params(prog, lowered)
     module = hlo_audit.parse_module(hlo)
     param_names = {n: hlo_audit.param_label(p) for n, p in module.entry_params().items()}
     donated = [n for n, i in enumerate(kept) if info[i].donated]

@@ -53,6 +53,19 @@ there. `--sweep=lanes --clock=h200` runs the sweep's engines here, each on its o
 (real tokens, acceptance and adaptive depths; tokens/s as the cost model prices the 27B on an
 H200). `--sweep=prefix` is not on the clock yet and refuses `--clock=h200`.
 
+`--sweep=ttft --clock=h200`: time to first token against prompt length (`--ttft_prompts`,
+default 512, 2048, 4096 tokens). One engine (`--checkpoint`, one lane, no prefix cache,
+`--prefill_chunk` tokens per iteration, default 512, K = `--num_speculative_tokens`) serves
+one request per length, alone; each request's TTFT is the clock's time from submit to its first
+token (every prefill chunk, the decode step its last token joins, which samples it, and the
+host time measured here), beside `roofline_ms`: the 27B prefill of that many tokens at the
+cost model's achievable rates, max(FLOPs / bf16 throughput, weights once / bandwidth)
+(CostModel.prefill_roofline). Each row also splits the clock's time: prefill chunks, the
+joining step, kernel-launch and per-program overhead inside them, host. Only the H200 clock
+means anything here (this machine's wall time is not a 27B's), so `--clock=wall` is refused.
+`--out` (default runs/ttft.json) gets {"ttft": [{"prompt_tokens", "ttft_ms", "roofline_ms",
+...}], ...}.
+
 The last stdout line is the whole result as one JSON document; `--out` gets the same document.
 `experiments/gpu_check.py` imports this module and reuses its flags and functions.
 """
@@ -68,6 +81,7 @@ import shlex
 import sys
 import time
 from functools import partial
+from typing import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -113,10 +127,18 @@ flags.DEFINE_float("hbm_gbps", 4800.0, "device memory bandwidth in GB/s for the 
 flags.DEFINE_integer("seed", 0, "seed for synthetic weights and inputs")
 flags.DEFINE_string("out", "bench.json", "JSON results path ('' = do not write; with "
                     f"--sweep the default is {SWEEP_OUT})")
-flags.DEFINE_enum("sweep", "", ["", "lanes", "prefix"],
+flags.DEFINE_enum("sweep", "", ["", "lanes", "prefix", "ttft"],
                   "'lanes': instead of the step programs, whole-engine tokens/s against lanes "
                   "for fixed draft depths and the adaptive policy, one table "
-                  "(experiments/depth_sweep.py; the --sweep_* flags)")
+                  "(experiments/depth_sweep.py; the --sweep_* flags); 'ttft': time to first "
+                  "token against prompt length on the H200 clock, beside the 27B prefill's "
+                  "roofline (--ttft_prompts, --prefill_chunk; needs --clock=h200)")
+flags.DEFINE_list("ttft_prompts", ["512", "2048", "4096"], "--sweep=ttft: prompt lengths "
+                  "(tokens), one request each, one row each")
+if "prefill_chunk" not in FLAGS:       # serve defines it too; a process may import both
+    flags.DEFINE_integer("prefill_chunk", 512, "--sweep=ttft: the engine's prefill chunk, "
+                         "the tokens one iteration prefills (512: a budget a 27B engine would "
+                         "run; the judge's engines use 64)")
 flags.DEFINE_list("prefix_lens", ["100", "200", "400", "800"],
                   "--sweep=prefix: shared prefix lengths (tokens), one table row each")
 flags.DEFINE_integer("prefix_suffix_tokens", 16, "--sweep=prefix: distinct tokens after the "
@@ -722,6 +744,149 @@ def prefix_main(log) -> None:
     print(json.dumps(doc), flush=True)
 
 
+class _SplitClock:
+    """A cost_model.VirtualClock's wrapper that also splits the device time it adds by
+    program kind ("prefill", "decode", "mixed", ...) and keeps, of each, the overhead inside
+    it (kernel launches + the per-program cost: Hardware.launch_s x kernels + program_s)."""
+
+    def __init__(self, clock):
+        self.clock, self.by_kind, self.overhead_s = clock, {}, 0.0
+
+    def __getattr__(self, name):          # model, now, host_s, add_host, report, ...
+        return getattr(self.clock, name)
+
+    def launch(self, key, contexts=(), start=0, is_last=True) -> float:
+        s = self.clock.launch(key, contexts, start, is_last)
+        cost = self.clock.model.program(key, contexts, start, is_last)
+        hw = self.clock.model.hw
+        self.by_kind[key[0]] = self.by_kind.get(key[0], 0.0) + s
+        self.overhead_s += hw.launch_s * cost.kernels + hw.program_s
+        return s
+
+
+def ttft_prompts(stream: Sequence[int], lengths: Sequence[int]) -> list[list[int]]:
+    """One prompt per length: the first N tokens of `stream` (repeated as needed)."""
+    top = max(lengths)
+    if not stream:
+        raise ValueError("no tokens to build prompts from")
+    reps = -(-top // len(stream))
+    tokens = list(stream) * reps
+    return [tokens[:n] for n in lengths]
+
+
+def run_ttft_sweep(cfg: Config, params: Params, prompts: Sequence[Sequence[int]], *, k: int,
+                   prefill_chunk: int, kernels: str, page_size: int, weights: str = "bf16",
+                   log=print) -> list[dict]:
+    """Each prompt alone on one clocked engine (one lane, no prefix cache: every token is
+    prefilled); per prompt: ttft_ms (the clock's submit-to-first-token time, from the
+    engine's timing), roofline_ms (CostModel.prefill_roofline), their ratio, and the clock's
+    split of that time (the prefill chunks run alone; the decode step the last token joins,
+    which samples it and carries the last chunk when the scheduler puts it there; the launch
+    overhead inside both; the host time). Every prompt runs once untimed first: compiling is
+    no clock time anyway (engine.py prices a program's run), but a first request's host time
+    holds one-time costs (first calls of host-side helpers) no served request pays."""
+    from mtpjax import Engine
+    from mtpjax.sampling import SamplingParams
+    longest = max(len(p) for p in prompts)
+    max_seq_len = min(longest + 64 + 2 * k + page_size, cfg.max_position_embeddings)
+    if longest + 2 > max_seq_len:
+        raise ValueError(f"a {longest}-token prompt does not fit the model's "
+                         f"{cfg.max_position_embeddings} positions")
+    clock = _SplitClock(card_lib.make_clock("h200", k, weights=weights, page_size=page_size))
+    engine = Engine(cfg, params, num_speculative_tokens=k, max_lanes=1,
+                    max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, kernels=kernels,
+                    page_size=page_size, prefix_cache=False, clock=clock)
+    for prompt in prompts:                # warm: compiles and first-call host costs
+        engine.generate([prompt], SamplingParams(max_new_tokens=1))
+    rows = []
+    for prompt in prompts:
+        n = len(prompt)
+        t0 = {key: engine.timing[key] for key in ("ttft_s", "first_tokens", "prefill_chunks")}
+        kinds0, over0 = dict(clock.by_kind), clock.overhead_s
+        out = engine.generate([prompt], SamplingParams(max_new_tokens=1))[0]
+        if out.error is not None:
+            raise RuntimeError(f"{n}-token prompt: {out.error}")
+        firsts = engine.timing["first_tokens"] - t0["first_tokens"]
+        if firsts != 1:
+            raise RuntimeError(f"{n}-token prompt: {firsts} first tokens on the clock")
+        ttft = engine.timing["ttft_s"] - t0["ttft_s"]
+        spent = {kind: s - kinds0.get(kind, 0.0) for kind, s in clock.by_kind.items()}
+        device = sum(spent.values())     # every program ran before the first token was out
+        roof = clock.model.prefill_roofline(n)
+        rows.append({
+            "prompt_tokens": n, "ttft_ms": 1e3 * ttft, "roofline_ms": 1e3 * roof,
+            "ratio": ttft / roof,
+            "prefill_chunks": engine.timing["prefill_chunks"] - t0["prefill_chunks"],
+            "prefill_ms": 1e3 * spent.get("prefill", 0.0),
+            "first_step_ms": 1e3 * (spent.get("decode", 0.0) + spent.get("mixed", 0.0)),
+            "overhead_ms": 1e3 * (clock.overhead_s - over0),
+            "host_ms": 1e3 * (ttft - device)})     # host time inside the TTFT window
+        log(f"  {n} tokens: ttft {rows[-1]['ttft_ms']:.2f} ms, roofline {1e3 * roof:.2f} ms")
+    return rows
+
+
+def format_ttft(rows: list[dict]) -> str:
+    head = (f"{'prompt':>7} {'ttft_ms':>9} {'roof_ms':>9} {'ratio':>6} {'chunks':>6} "
+            f"{'prefill_ms':>10} {'step_ms':>8} {'launch_ms':>9} {'host_ms':>8}")
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['prompt_tokens']:>7} {r['ttft_ms']:>9.2f} {r['roofline_ms']:>9.2f} "
+                     f"{r['ratio']:>6.3f} {r['prefill_chunks']:>6} {r['prefill_ms']:>10.2f} "
+                     f"{r['first_step_ms']:>8.2f} {r['overhead_ms']:>9.2f} "
+                     f"{r['host_ms']:>8.2f}")
+    lines.append("ttft = prefill + step + host; launch: the kernel-launch and per-program cost "
+                 "inside prefill + step; roof: the 27B prefill's max(FLOPs / bf16 "
+                 "throughput, weights once / bandwidth)")
+    return "\n".join(lines)
+
+
+def ttft_main(log) -> None:
+    """--sweep=ttft: run_ttft_sweep over --ttft_prompts on the flags' model; table + JSON."""
+    if FLAGS.clock != "h200":
+        raise ValueError("--sweep=ttft compares with the 27B's roofline on an H200: run it "
+                         "with --clock=h200")
+    lens = [int(x) for x in FLAGS.ttft_prompts]
+    if not lens or min(lens) < 2:
+        raise ValueError(f"--ttft_prompts must be >= 2 tokens each, got {lens}")
+    if FLAGS.prefill_chunk < 1:
+        raise ValueError(f"--prefill_chunk must be >= 1, got {FLAGS.prefill_chunk}")
+    if FLAGS.tp * FLAGS.dp > 1:
+        raise ValueError("--sweep=ttft runs one engine on one device; drop --tp/--dp")
+    dtype, kernels = resolve_dtype(FLAGS.dtype), resolve_kernels(FLAGS.kernels)
+    out = FLAGS.out if FLAGS["out"].present else "runs/ttft.json"
+    cfg, params, desc = build_model(FLAGS.checkpoint, FLAGS.synthetic, FLAGS.layers, dtype,
+                                    FLAGS.seed, FLAGS.weights, FLAGS.mtp_weights)
+    from mtpjax.text import Tokenizer
+    tok = Tokenizer.from_checkpoint(FLAGS.checkpoint)
+    stream = [t for p in depth_sweep.heldout_prompts(tok, 64, 64, FLAGS.seed) for t in p]
+    weights = card_lib.clock_weights(params)
+    k = FLAGS.num_speculative_tokens
+    header = [f"# bench --sweep=ttft: time to first token vs prompt length, clock h200 "
+              f"({card_lib.predicted_words()}; host time measured here)",
+              f"command: {command_line()}",
+              f"engine: {desc['source']} {desc['name']} ({desc['layers']} layers) run here, "
+              f"dtype={dtype}, kernels={kernels}, one lane, K={k}, prefill_chunk="
+              f"{FLAGS.prefill_chunk}, page_size={FLAGS.page_size}, no prefix cache"]
+    for line in header:
+        log(line)
+    rows = run_ttft_sweep(cfg, params, ttft_prompts(stream, lens), k=k,
+                          prefill_chunk=FLAGS.prefill_chunk, kernels=kernels,
+                          page_size=FLAGS.page_size, weights=weights, log=log)
+    table = format_ttft(rows)
+    log("")
+    log(table)
+    doc = {"command": command_line(),
+           "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+           "sweep": "ttft", "clock": "h200", "time": card_lib.predicted_words(),
+           "model": {**desc, "dtype": dtype}, "kernels": kernels,
+           "num_speculative_tokens": k, "prefill_chunk": FLAGS.prefill_chunk,
+           "page_size": FLAGS.page_size, "weights": weights, "ttft": rows, "table": table}
+    write_json(out, doc)
+    if out:
+        log(f"wrote {out}")
+    print(json.dumps(doc), flush=True)
+
+
 def price_programs(batch_sizes, context_lens, k: int, *, weights: str = "bf16", tp: int = 1,
                    page_size: int = 16) -> dict:
     """--clock=h200: the cost model's price of the programs the engine launches for the 27B,
@@ -797,6 +962,8 @@ def clock_main(log) -> None:
 def main(argv):
     del argv
     log = partial(print, flush=True)
+    if FLAGS.sweep == "ttft":
+        return ttft_main(log)
     if FLAGS.clock != "wall":
         if FLAGS.sweep == "prefix":
             raise ValueError("--sweep=prefix times its own engines on this machine's wall "

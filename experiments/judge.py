@@ -588,7 +588,6 @@ def paged_path_logprobs(engine, prompt, cont, T: int):
         for b in range(B):
             alloc.reserve(b, min(end, total))
     table = alloc.table
-    lanes = LaneSampling.from_params([SamplingParams()] * engine.lane_slots)
     nxt = np.concatenate([prompt[:, 1:], cont[:, :1]], axis=1)
     # the prompt right-padded to the engine's chunk bucket: its own prefill program
     Tp = next((c for c in engine.chunk_buckets if c >= P), P)
@@ -596,10 +595,11 @@ def paged_path_logprobs(engine, prompt, cont, T: int):
     prompt_p, nxt_p = pad(prompt), pad(nxt)
     cache, state = engine.cache, engine.state
     for b in range(B):
-        cache, state, _ = steps.prefill_chunk(
-            cfg, params, cache, state, lanes, jnp.int32(b), jnp.asarray(prompt_p[b:b + 1]),
-            jnp.asarray(nxt_p[b:b + 1]), jnp.int32(0), jnp.int32(P), jnp.bool_(True),
-            jnp.asarray(table[b:b + 1]), k=engine.k, kernels=engine.kernels)
+        cache = steps.prefill_chunk(
+            cfg, params, cache, steps.Chunk(jnp.int32(b), jnp.asarray(prompt_p[b:b + 1]),
+                                            jnp.asarray(nxt_p[b:b + 1]), jnp.int32(0),
+                                            jnp.int32(P), jnp.asarray(table[b:b + 1])),
+            k=engine.k, kernels=engine.kernels)
     got = []
     for s in range(0, n, T):
         lp, cache = _teacher_forced_step(cfg, params, cache, jnp.asarray(cont[:, s:s + T]),

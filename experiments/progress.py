@@ -59,6 +59,9 @@ def program_name(key: tuple) -> str:
     """A warm-up program key (Engine.warmup_plan) in words."""
     if key[0] == "decode":
         return f"decode depth {key[1]} x {key[2]} lane{'s' if key[2] > 1 else ''}"
+    if key[0] == "mixed":
+        return (f"decode depth {key[1]} x {key[2]} lane{'s' if key[2] > 1 else ''} "
+                f"+ prefill chunk of {key[3]}")
     if key[0] == "prefill":
         return f"prefill chunk of {key[1]}"
     return {"move_lane": "lane move", "snapshot": "snapshot save",

@@ -6,12 +6,17 @@ is the floor a step needs; kernel counts come from mtpjax/h200_kernel_counts.py.
 Time of one program = max(HBM bytes / achievable bandwidth, FLOPs / achievable tensor
 throughput) + launch cost x kernels in the compiled program + a fixed cost per program.
 
-What it counts, per program (steps.decode_step, steps.prefill_chunk, the draft chain,
-steps.move_lane, snapshots.save / restore), from the config and the engine's cache layout
-(model.init_paged_cache, steps.LaneState), never from the audit:
+What it counts, per program (steps.decode_step: "decode"; the same step carrying one lane's
+prefill chunk: "mixed", one engine iteration with a prefill in flight; steps.prefill_chunk
+alone: "prefill", when no lane decodes; the draft chain, steps.move_lane, snapshots.save /
+restore), from the config and the engine's cache layout (model.init_paged_cache,
+steps.LaneState), never from the audit:
   weights       every weight a pass reads (target pass: every text weight but the embedding
-                table, lm_head included; MTP pass: the MTP head), once per pass;
-  lm_head_extra lm_head re-read per draft (argmax) and for a prefill's first token;
+                table, lm_head included, except in a prefill chunk alone, which samples
+                nothing; MTP pass: the MTP head; a chunk's MTP KV fill: the MTP fc and
+                projection), once per pass: a mixed iteration's chunk and step share ONE
+                target pass (every GEMM runs over both groups' tokens);
+  lm_head_extra lm_head re-read per draft (argmax);
   kv_read       K and V of the context each lane's attention reads (target full-attention
                 layers per target pass, the MTP layer per MTP pass);
   kv_write      the K and V the program writes;
@@ -24,7 +29,9 @@ steps.move_lane, snapshots.save / restore), from the config and the engine's cac
   split_k       the f32 partial products of the projections XLA splits along their
                 contraction at few rows (SPLIT_K_BY_ROWS: keyed on the rows, lanes x tokens
                 per lane, so 8..80-row decode steps and short prefill chunks pay it);
-  logits        the f32 logits the samplers write and re-read (SAMPLER_PASSES).
+  logits        the f32 logits the samplers write and re-read (SAMPLER_PASSES);
+  groups        a mixed iteration's extra traffic for running two groups through one pass
+                (MIXED_GDN_SLOT_PASSES).
 FLOPs: 2 x tokens x linear weights touched, attention (QK^T and PV over the context), the
 GDN recurrence.
 """
@@ -97,14 +104,16 @@ H200 = Hardware(
 # at 32, 16.4 at 40 and 160 (a few per-row reductions amortize over the batch): a + b / rows.
 SAMPLER_PASSES = (16.35, 2.5)
 # A prefill chunk's per-token activation traffic over `_activation_bytes`'s count, per decoder
-# layer: the deviceless audit of steps.prefill_chunk moves 1.73x (T = 512) to 1.80x (T = 2048)
-# that count per layer and token (the chunked GDN's f32 intermediates: q / k broadcast to the
-# value heads in f32, the conv output in f32), taken as the slope between the full 27B (64
-# layers) and a 2-layer config of its widths, so it follows the layer count. The MTP head's
-# pass over the chunk: what is left of the 2-layer program, 0.27x to 0.88x of the count.
+# layer: the deviceless audit of steps.prefill_chunk (no sampling, no drafts) moves 1.73x
+# (T = 512) to 1.86x (T = 64) that count per layer and token (the chunked GDN's f32
+# intermediates: q / k broadcast to the value heads in f32, the conv output in f32), taken as
+# the slope between the full 27B (64 layers) and a 2-layer config of its widths, so it
+# follows the layer count. The chunk's MTP KV fill: what is left of the 2-layer program, 0.06x
+# (T = 2048) to 0.40x (T = 64) of the MTP layer's count; 0.1 keeps the 2-layer programs (where
+# it weighs most) within 1.5% at 64, 512 and 2048 tokens.
 # (A 16-token chunk moves ~2% more than this count: the chunked GDN pads to 64-token chunks.)
-PREFILL_ACTIVATIONS = 1.76
-PREFILL_MTP_ACTIVATIONS = 0.55
+PREFILL_ACTIVATIONS = 1.79
+PREFILL_MTP_ACTIVATIONS = 0.1
 # A decode step's GDN layers beyond `_activation_bytes`'s bf16 count, fitted to the deviceless
 # audit of steps.decode_step (the slope between the 27B and its 2-layer config, so per GDN
 # layer; 1..32 lanes x 1..5 tokens per lane, K = 4; residual under 0.2% of a program):
@@ -143,6 +152,23 @@ SPLIT_K_BY_ROWS = (
 # add and the next norm each read it).
 PREFILL_IN_PROJ_READERS = ((40, 6), (80, 4))
 
+# A decode step carrying a prefill chunk ("mixed") launches the step's kernels plus, per decoder
+# layer, the chunk's mixer (chunked GDN or paged attention over the chunk, its conv / norm /
+# gate fusions and the slices that split the shared GEMMs' outputs by group) and, K > 0, the
+# kernels of the chunk's MTP KV fill: deviceless 27B compiles (K = 4, 8 lanes, 64- and
+# 512-token chunks: mixed minus decode at the same depth and bucket).
+MIXED_CHUNK_KERNELS = 13
+MIXED_FILL_KERNELS = 12
+# The same program moves more than its step's and its chunk's terms: ~2.3 GB at the 27B whatever
+# the chunk (64 or 512 tokens), lanes (1..16) and depth (0, 4), ~36 MB a layer (the audit's
+# extra kernels, against decode + prefill alone: broadcasts, pads, selects and in-place slot
+# updates of GDN-state shape in every GDN layer, and the concatenation of the groups' mixer
+# outputs): priced as MIXED_GDN_SLOT_PASSES passes over one lane's GDN slot per GDN layer
+# (13.5 x 3.6 MB x 48 layers; residual within +-0.7 GB over those seven 27B compiles). Left
+# out: the whole-KV-pool copies XLA inserts at some chunk lengths (model.forward_groups does
+# not order the chunk's attention before the step's KV write; tests/test_aot.py), which
+# follow the pool's size, unknown here.
+MIXED_GDN_SLOT_PASSES = 13.5
 
 def split_k(rows: int) -> dict[str, tuple[int, int]]:
     """XLA's (splits, readers) per split projection at `rows` rows (SPLIT_K_BY_ROWS)."""
@@ -288,11 +314,14 @@ class CostModel:
         return per_tok * tokens + per_mtp * mtp_tokens
 
     def _split_k_bytes(self, rows: int, mtp_rows: Sequence[int] = (),
-                       in_proj_readers: int | None = None) -> float:
+                       in_proj_readers: int | None = None,
+                       fill_rows: Sequence[int] = ()) -> float:
         """The f32 partial products of split-K projections (split_k), written once and read
         by each consuming kernel: `rows` tokens through the decoder layers (per layer, so it
         follows the layer count), then one MTP-head pass per entry of `mtp_rows` (its fc and
-        its full-attention layer) at that many rows. in_proj_readers: overrides the table's."""
+        its full-attention layer) and one MTP KV fill per entry of `fill_rows` (fc and the
+        layer's q/k/v projection only) at that many rows. in_proj_readers: overrides the
+        table's."""
         c, l = self.cfg, self.local
         hd = c.head_dim
         conv = l.conv_dim if self.tp == 1 else _local_conv_dim(c, self.tp)
@@ -313,7 +342,8 @@ class CostModel:
         full = ("qkv", "out", "down")
         layers = self.n_full * part(full, rows) + self.n_gdn * part(("in_proj", "out", "down"),
                                                                     rows) if rows else 0.0
-        return layers + sum(part(full + ("fc",), m) for m in mtp_rows)
+        return layers + sum(part(full + ("fc",), m) for m in mtp_rows) \
+            + sum(part(("qkv", "fc"), m) for m in fill_rows)
 
     def _logits_bytes(self, verify_rows: int, argmax_rows: int) -> float:
         """The lm_head's f32 logits around the samplers: every row written once by its GEMM;
@@ -343,10 +373,72 @@ class CostModel:
     def decode(self, depth: int, lanes: int, contexts: Sequence[int]) -> Cost:
         """steps.decode_step at depth d with a batch (lane bucket) of `lanes` slots; contexts:
         tokens already cached for each BUSY lane (len <= lanes)."""
+        d, B = self._check_step(depth, lanes, contexts)
+        moved, must, flops = self._step_terms(d, B, contexts)
+        moved["split_k"] = self._step_split_k(d, B, B * (d + 1))
+        return self._finish(moved, must, flops, self._kernels(("decode", d, B)))
+
+    def prefill(self, T: int, start: int = 0, is_last: bool = True) -> Cost:
+        """steps.prefill_chunk of a chunk bucket of T tokens at position `start` of its lane:
+        the target forward over the chunk (no lm_head: it samples nothing) and, K > 0, the
+        chunk's MTP KV fill (MTP fc + the MTP layer's projection). The program never samples
+        or drafts, last chunk or not: the prompt's last token joins a decode step, which does
+        both. With K = 0 nothing reads the chunk's final hidden state, so XLA drops the last
+        layer's output projection and MLP (the audit reads 0.6 GB less). is_last: accepted
+        for callers of the old program, no effect."""
+        del is_last
+        T, start = int(T), int(start)
+        if T < 1 or start < 0:
+            raise ValueError(f"prefill needs T >= 1 and start >= 0, got T={T}, start={start}")
+        moved, must, flops = self._chunk_terms(T, start)
+        dead = 0 if self.K > 0 else self._tail_params()
+        per_param = 2.0 if self.weights == "bf16" else 1.0 + 4 / (128 * 128)
+        moved["weights"] += self.w["target"] - self.w["lm_head"] - per_param * dead
+        must["weights"] += self.w["target"] - self.w["lm_head"] - per_param * dead
+        flops += 2 * T * (self._linear_params("target") - self._linear_params("lm_head") - dead)
+        mtp = 1 if self.K > 0 else 0
+        if split_k(T):
+            readers = next((r for bound, r in PREFILL_IN_PROJ_READERS if T <= bound), None)
+            moved["split_k"] = self._split_k_bytes(T, in_proj_readers=readers,
+                                                   fill_rows=[T] * mtp)
+        return self._finish(moved, must, flops, self._kernels(("prefill", T)))
+
+    def mixed(self, depth: int, lanes: int, T: int, contexts: Sequence[int],
+              start: int = 0) -> Cost:
+        """steps.decode_step(chunk=...), key ("mixed", d, B, T): the depth-d step of `lanes`
+        slots (contexts: tokens cached per busy lane) carrying one lane's prefill chunk of T
+        tokens (the bucket) at position `start` of that lane. Both go through every target
+        GEMM together (model.forward_groups), so the target weights are read ONCE, plus the
+        MTP fc / projection the chunk's MTP KV fill reads (K > 0); the step's MTP passes read
+        the head as a decode step's do. Every other term is the two parts': the step's KV,
+        GDN slots, samplers and MTP passes, the chunk's KV over its context, its lane's GDN
+        slot and its activations; the decoder layers' split-K partials at the rows of both
+        (T + B (d + 1)); the two groups' handling (MIXED_GDN_SLOT_PASSES); FLOPs of both."""
+        d, B = self._check_step(depth, lanes, contexts)
+        T, start = int(T), int(start)
+        if T < 1 or start < 0:
+            raise ValueError(f"a chunk needs T >= 1 and start >= 0, got T={T}, start={start}")
+        moved, must, flops = self._step_terms(d, B, contexts)
+        c_moved, c_must, c_flops = self._chunk_terms(T, start)
+        moved = {k: moved.get(k, 0.0) + c_moved.get(k, 0.0) for k in moved | c_moved}
+        must = {k: must.get(k, 0.0) + c_must.get(k, 0.0) for k in must | c_must}
+        moved["split_k"] = self._step_split_k(d, B, B * (d + 1) + T) \
+            + self._split_k_bytes(0, fill_rows=[T] * (self.K > 0))
+        moved["groups"] = MIXED_GDN_SLOT_PASSES * self._gdn_bytes(1) / 2
+        c_flops += 2 * T * (self._linear_params("target") - self._linear_params("lm_head"))
+        return self._finish(moved, must, flops + c_flops,
+                            self._kernels(("mixed", d, B, T)))
+
+    def _check_step(self, depth: int, lanes: int, contexts: Sequence[int]) -> tuple[int, int]:
         d, B = int(depth), int(lanes)
         if not 0 <= d <= self.K:
             raise ValueError(f"depth must lie in 0..K={self.K}, got {d}")
         _check_lanes(B, contexts)
+        return d, B
+
+    def _step_terms(self, d: int, B: int, contexts: Sequence[int]) -> tuple[dict, dict, float]:
+        """A depth-d decode step's (moved, must, FLOPs) but its split-K partials, which follow
+        the rows of every GEMM (a riding chunk's included): see _step_split_k."""
         T = d + 1
         n = len(contexts)
         ctx = float(sum(contexts)) + n * T
@@ -364,59 +456,73 @@ class CostModel:
         moved["activations"] = self._activation_bytes(B * T, B * T * (1 if d else 0)
                                                       + B * max(d - 1, 0))
         moved["logits"] = self._logits_bytes(B * T, B * d)
-        # the target pass over B x T rows; the MTP head's re-run over them and d - 1 chained
-        # drafts over B (depth 0 writes the MTP KV only: no split projection there)
-        moved["split_k"] = self._split_k_bytes(B * T, [B * T] * (d > 0) + [B] * max(d - 1, 0),
-                                               4 if B > 1 and T == self.K + 1 else None)
         flops = 2 * B * T * self._linear_params("target") \
             + 2 * (B * T + B * max(d - 1, 0)) * (self._linear_params("mtp") if d else 0) \
             + 2 * B * d * self._linear_params("lm_head") \
             + self.n_full * self._attn_flops(T * ctx) + d * self._attn_flops(T * ctx) \
             + self._gdn_flops(B * (T + self.K + 1))
-        return self._finish(moved, must, flops, self._kernels(("decode", d, B)))
+        return moved, must, flops
 
-    def prefill(self, T: int, start: int = 0, is_last: bool = True) -> Cost:
-        """steps.prefill_chunk of a chunk bucket of T tokens at position `start` of its lane."""
-        T, start = int(T), int(start)
-        if T < 1 or start < 0:
-            raise ValueError(f"prefill needs T >= 1 and start >= 0, got T={T}, start={start}")
-        K, w = self.K, self.w
-        mtp = 1 if K > 0 else 0
+    def _step_split_k(self, d: int, B: int, rows: int) -> float:
+        """A depth-d step's split-K partials with `rows` rows through the decoder layers (its
+        B (d + 1), plus a riding chunk's): the MTP head's re-run over the B (d + 1) verified
+        rows and d - 1 chained drafts over B (depth 0 writes the MTP KV only: no split
+        projection there)."""
+        T = d + 1
+        return self._split_k_bytes(rows, [B * T] * (d > 0) + [B] * max(d - 1, 0),
+                                   4 if B > 1 and T == self.K + 1 and rows == B * T else None)
+
+    def _chunk_terms(self, T: int, start: int) -> tuple[dict, dict, float]:
+        """A prefill chunk's own (moved, must, FLOPs) beside the target weights (read by
+        whichever program carries it): its MTP KV fill's weights (K > 0), the KV its
+        attention reads (start + T tokens) and writes (T, and T MTP entries), its lane's GDN
+        slot, its activations."""
+        mtp = 1 if self.K > 0 else 0
         ctx = start * T + T * (T + 1) / 2              # (query, key) pairs, causal
-        drafts = {
-            "weights": mtp * K * w["mtp"],
-            "lm_head_extra": mtp * K * w["lm_head"],     # d_1 and K - 1 chained drafts
-        }
-        launched = {
-            "weights": w["target"] + drafts["weights"] + mtp * self._mtp_fill_weights(),
-            "lm_head_extra": drafts["lm_head_extra"],
-            "kv_read": self.kv_token * (self.n_full * (start + T) + mtp * K * (start + T)),
-            "kv_write": self.kv_token * (self.n_full * T + mtp * (T + K)),
+        must = {
+            "weights": mtp * self._mtp_fill_weights(),
+            "kv_read": self.kv_token * self.n_full * (start + T),
+            "kv_write": self.kv_token * (self.n_full * T + mtp * T),
             "gdn_state": self._gdn_bytes(1),
-            "activations": self._activation_bytes(T, mtp * T, chunk=True),
-            "logits": self._logits_bytes(1, mtp * K),
         }
-        if split_k(T):
-            readers = next((r for bound, r in PREFILL_IN_PROJ_READERS if T <= bound), None)
-            launched["split_k"] = self._split_k_bytes(T, [T] * mtp, readers)
-        must = dict(launched)
-        if not is_last:     # a non-final chunk needs no first token and no drafts
-            must["weights"] = w["target"] + mtp * self._mtp_fill_weights()
-            must["lm_head_extra"] = 0.0
-            must["logits"] = self._logits_bytes(1, 0)
-            must["kv_read"] = self.kv_token * self.n_full * (start + T)
-            must["kv_write"] = self.kv_token * (self.n_full * T + mtp * T)
-        flops = 2 * T * self._linear_params("target") + 2 * mtp * K * self._linear_params("mtp") \
-            + 2 * mtp * T * 2 * self.cfg.hidden_size ** 2 \
-            + 2 * mtp * K * self._linear_params("lm_head") \
-            + self.n_full * self._attn_flops(ctx) + self._gdn_flops(T)
-        return self._finish(launched, must, flops, self._kernels(("prefill", T)))
+        moved = dict(must, weights=mtp * self._mtp_fill_weights(compiled=True),
+                     activations=self._activation_bytes(T, mtp * T, chunk=True))
+        flops = 2 * mtp * T * self._mtp_fill_params() + self.n_full * self._attn_flops(ctx) \
+            + self._gdn_flops(T)
+        return moved, must, flops
 
-    def _mtp_fill_weights(self) -> float:
-        """The MTP fc and KV projection the prefill's MTP KV fill reads (bf16 head)."""
+    def _tail_params(self) -> float:
+        """The last decoder layer's output projection and MLP (multiply-adds per token):
+        what a pass whose final hidden state nothing reads never runs."""
         c, l = self.cfg, self.local
-        return self.act * (2 * c.hidden_size * c.hidden_size
-                           + 2 * l.num_key_value_heads * c.head_dim * c.hidden_size)
+        out = (l.num_attention_heads * c.head_dim if c.layer_types[-1] == FULL
+               else l.linear_num_value_heads * c.linear_value_head_dim)
+        return (out + 3 * l.intermediate_size) * c.hidden_size
+
+    def _mtp_fill_weights(self, compiled: bool = False) -> float:
+        """The MTP weights a KV fill (model.mtp_fill_kv) reads (bf16 head): fc and the KV
+        projection (the floor); compiled, XLA does not narrow the layer's fused q/gate/k/v
+        GEMM to its k / v columns (the deviceless audit reads all of it)."""
+        return self.act * self._mtp_fill_params(compiled)
+
+    def _mtp_fill_params(self, compiled: bool = True) -> float:
+        c, l = self.cfg, self.local
+        heads = 2 * l.num_key_value_heads + (2 * l.num_attention_heads if compiled else 0)
+        return 2 * c.hidden_size * c.hidden_size + heads * c.head_dim * c.hidden_size
+
+    def prefill_roofline(self, N: int) -> float:
+        """Seconds the prefill of an N-token prompt needs at least on this hardware: max(the
+        FLOPs of one target forward over the N tokens (every linear, the lm_head for one row:
+        the first token's; causal attention over the prompt; the GDN recurrence) / achievable
+        bf16 throughput, every target weight read once / achievable HBM bandwidth). No MTP,
+        no activations, no launches: what a time to first token is compared with."""
+        N = int(N)
+        if N < 1:
+            raise ValueError(f"a prompt has >= 1 tokens, got {N}")
+        head = self._linear_params("lm_head")
+        flops = 2 * N * (self._linear_params("target") - head) + 2 * head \
+            + self.n_full * self._attn_flops(N * (N + 1) / 2) + self._gdn_flops(N)
+        return max(flops / self.hw.bf16_flops_per_s, self.w["target"] / self.hw.hbm_bytes_per_s)
 
     def draft(self, lanes: int, contexts: Sequence[int]) -> Cost:
         """One chained MTP draft step (MTP layer + lm_head argmax) over `lanes` slots."""
@@ -459,10 +565,14 @@ class CostModel:
     def program(self, key: tuple, contexts: Sequence[int] = (), start: int = 0,
                 is_last: bool = True) -> Cost:
         """Dispatch on the engine's program keys (Engine.warmup_plan): ("decode", d, B),
-        ("prefill", T), ("move_lane",), ("snapshot",), ("snapshot_restore",), ("draft", B)."""
+        ("mixed", d, B, T) (contexts: the decode lanes'; start: the riding chunk's),
+        ("prefill", T) (start: the chunk's; is_last: no effect, see `prefill`),
+        ("move_lane",), ("snapshot",), ("snapshot_restore",), ("draft", B)."""
         kind = key[0] if key else None
         if kind == "decode":
             return self.decode(key[1], key[2], contexts)
+        if kind == "mixed":
+            return self.mixed(key[1], key[2], key[3], contexts, start)
         if kind == "prefill":
             return self.prefill(key[1], start, is_last)
         if kind == "draft":
@@ -486,21 +596,43 @@ class CostModel:
             return self._kernels_fallback(key)
         if key in table:
             return table[key]
+        if key[0] == "mixed":
+            return self._mixed_kernels(key, table)
         near = [k for k in table if k[:-1] == key[:-1] and len(k) == len(key) > 1]
         if near:
             return table[min(near, key=lambda k: (abs(math.log2(k[-1] / key[-1])), k[-1]))]
         return self._kernels_fallback(key)
 
+    def _mixed_kernels(self, key: tuple, table: dict) -> int:
+        """("mixed", d, B, T) missing from the table: the compiled (d, B) at the nearest chunk
+        (the count barely follows T); else the (d, B) decode step's count plus what a chunk
+        added to the compiled mixed key nearest in (depth, lanes, chunk) (its count minus its
+        decode step's); else `_kernels_fallback`."""
+        _, d, B, T = key
+        dist = lambda k: (abs(math.log2(k[3] / T)), k[3])
+        same = [k for k in table if k[:3] == key[:3]]
+        if same:
+            return table[min(same, key=dist)]
+        paired = [k for k in table if k[0] == "mixed" and ("decode",) + k[1:3] in table]
+        if not paired:
+            return self._kernels_fallback(key)
+        m = min(paired, key=lambda k: (abs(k[1] - d), abs(math.log2(k[2] / B)), dist(k), k))
+        return self._kernels(("decode", d, B)) + table[m] - table[("decode",) + m[1:3]]
+
     def _kernels_fallback(self, key: tuple) -> int:
         """An estimate from the layer structure, for configs and keys the table lacks:
         per decoder layer and per MTP pass as the 27B's table shows them at one lane (decode
-        depth 0: ~26 kernels a layer; each MTP pass ~30 more; prefill ~27 a layer; move_lane
-        two per GDN array, a snapshot one)."""
+        depth 0: ~26 kernels a layer; each MTP pass ~30 more; prefill ~20 a layer; a decode
+        step carrying a chunk: the step's plus the chunk's mixers, ~MIXED_CHUNK_KERNELS a
+        layer, and its MTP KV fill; move_lane two per GDN array, a snapshot one)."""
         L = self.cfg.num_layers
         if key[0] == "decode":
             return 26 * L + 30 * key[1] + 10
+        if key[0] == "mixed":
+            return self._kernels_fallback(("decode",) + key[1:3]) + MIXED_CHUNK_KERNELS * L \
+                + MIXED_FILL_KERNELS * (self.K > 0)
         if key[0] == "prefill":
-            return 27 * L + 30 * self.K + 10
+            return 20 * L + 10 * (self.K > 0) + 10
         if key[0] == "draft":
             return 30
         if key[0] == "move_lane":
@@ -532,7 +664,9 @@ def _local_conv_dim(cfg: Config, tp: int) -> int:
 
 class VirtualClock:
     """The H200 clock an engine run advances: every launched program adds its modelled
-    seconds (device), the caller adds measured host seconds."""
+    seconds (device; `launch` prices the engine's key with CostModel.program: a "mixed" key
+    at its decode lanes' contexts and its chunk's start), the caller adds measured host
+    seconds."""
 
     def __init__(self, model: CostModel):
         self.model = model

@@ -68,8 +68,8 @@ from mtpjax.params import Params
 from mtpjax.prefix_cache import PrefixCache
 from mtpjax.sampling import LaneSampling, SamplingParams
 from mtpjax.scheduler import (FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP,
-                              Plan, Policy, PrefillWork, Request, RequestOutput, RequestStats,
-                              Scheduler, SpeculationPolicy)
+                              Policy, PrefillWork, Request, RequestOutput, RequestStats,
+                              Scheduler, SpeculationPolicy, StepBatch)
 
 __all__ = ["Engine", "RequestOutput", "RequestStats", "SpeculationPolicy", "AdaptiveDepth",
            "OutOfPagesError",
@@ -175,7 +175,7 @@ class Engine:
                  prefix_cache: bool = True, prefix_snapshots: int | None = None,
                  snapshot_every_blocks: int = 4, depth0_fills_mtp_kv: bool = False,
                  lane_slots: int | None = None, lane_buckets: Sequence[int] | None = None,
-                 pool_pages: int | None = None, clock=None):
+                 pool_pages: int | None = None, clock=None, mixed_max_depth: int | None = None):
         k = int(num_speculative_tokens)
         if k < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
@@ -222,6 +222,9 @@ class Engine:
                              f"{prefill_chunk}, got {buckets}")
         self.prefill_chunk = prefill_chunk
         self.chunk_buckets = buckets
+        if mixed_max_depth is not None and mixed_max_depth < 0:
+            raise ValueError(f"mixed_max_depth must be >= 0, got {mixed_max_depth}")
+        self.mixed_max_depth = k if mixed_max_depth is None else min(int(mixed_max_depth), k)
         self.eos = tuple(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         if speculation_policy in (None, "fixed"):
             speculation_policy = SpeculationPolicy()
@@ -268,7 +271,8 @@ class Engine:
         if mesh is not None:
             self.state = jax.device_put(self.state, NamedSharding(mesh, PartitionSpec()))
         self.timing = {"prefill_s": 0.0, "step_s": 0.0, "host_s": 0.0, "steps": 0,
-                       "plain_steps": 0, "prefill_chunks": 0, "lane_moves": 0}
+                       "plain_steps": 0, "mixed_steps": 0, "prefill_chunks": 0,
+                       "lane_moves": 0}
         self.preemptions = 0
         self.depth_steps = [0] * (k + 1)          # decode steps run at each depth
         self._programs: set = set()
@@ -392,7 +396,8 @@ class Engine:
         self._sched = Scheduler(self.alloc, k=self.k, max_seq_len=self.max_seq_len,
                                 prefill_chunk=self.prefill_chunk, policy=self.policy,
                                 on_token=self._callback(on_token), prefix_cache=self.prefix,
-                                lanes=self.max_lanes, bucket=self._bucket_of)
+                                lanes=self.max_lanes, bucket=self._bucket_of,
+                                mixed_depth=self.mixed_max_depth)
 
     def _callback(self, on_token):
         """on_token as the scheduler calls it; with a clock its time is the caller's, so the
@@ -527,87 +532,114 @@ class Engine:
         self._mark = time.perf_counter()
         return out, self.clock.launch(key, contexts, start, is_last)
 
-    def _run(self, sched: Scheduler, plan: Plan) -> None:
+    def _run(self, sched: Scheduler, batch: StepBatch) -> None:
+        """Run one iteration's record: lane moves, snapshot restores, then ONE program (the
+        decode step carrying the prefill chunk, or the chunk alone when no lane decodes),
+        then the snapshot its chunk may owe the prefix cache, then the bookkeeping, all read
+        from `batch` in its row order."""
         clocked = self.clock is not None
-        for src, dst in plan.moves:
+        for src, dst in batch.moves:
             (self.cache, self.state), _ = self._program(("move_lane",), lambda: steps.move_lane(
                 self.cache, self.state, jnp.int32(src), jnp.int32(dst), mesh=self.mesh))
             self.timing["lane_moves"] += 1
-        for lane, slot in plan.restores:      # prefix hits: GDN state at the cached boundary
+        for lane, slot in batch.restores:      # prefix hits: GDN state at the cached boundary
             (self.cache, self.snaps), _ = self._program(
                 ("snapshot_restore",), lambda: snapshots.restore(
                     self.cache, self.snaps, jnp.int32(lane), jnp.int32(slot), mesh=self.mesh))
-        if plan.prefill is not None:
-            w = plan.prefill
-            t0 = time.perf_counter()
-            first, modelled = self._prefill(w, self._lane_sampling(sched))
-            if clocked and w.is_last:         # the request's first token, on the clock
-                started = self._submitted.pop(sched.lanes[w.lane].req.id, None)
-                if started is not None:
-                    self.timing["ttft_s"] += self.clock.now - started
-                    self.timing["first_tokens"] += 1
-            slot = sched.prefill_done(w, first)
-            if slot is not None:              # a snapshot boundary the prefix cache took
+        w = batch.prefill
+        # a chunk riding in a decode step takes the largest bucket: one program per depth and
+        # lane bucket, not per chunk length
+        chunk, T = (None, 0) if w is None else self._chunk(w, bool(batch.rows))
+        t0 = time.perf_counter()
+        if batch.rows:
+            out, n_acc, key, modelled = self._step(sched, batch, chunk, T)
+        else:
+            key = ("prefill", T)
+            self.cache, modelled = self._program(key, lambda: steps.prefill_chunk(
+                self.cfg, self.params, self.cache, chunk, k=self.k, kernels=self.kernels,
+                mesh=self.mesh), start=w.start, is_last=False)
+        compiled = key not in self._programs
+        self._programs.add(key)
+        t1 = time.perf_counter()
+        seconds = modelled if clocked else t1 - t0
+        if w is not None:
+            self.timing["prefill_chunks"] += 1
+            slot = sched.prefill_done(w)
+            if slot is not None:              # a boundary the prefix cache took: save, publish
                 (self.cache, self.snaps), saved = self._program(
                     ("snapshot",), lambda: snapshots.save(
                         self.cache, self.snaps, jnp.int32(w.lane), jnp.int32(slot),
                         mesh=self.mesh))
-                modelled += saved
-            t1 = time.perf_counter()
-            self.timing["prefill_s"] += modelled if clocked else t1 - t0
-            if not clocked:
-                self.timing["host_s"] += time.perf_counter() - t1
-        if plan.decode:
-            nb = self.lane_bucket(plan.decode)
-            active = np.zeros(nb, bool)
-            active[list(plan.decode)] = True
-            lanes = self._lane_sampling(sched, nb)
-            key = ("decode", plan.k, nb)
-            contexts = [sched.lanes[b].pos for b in plan.decode]   # tokens cached per lane
-            t0 = time.perf_counter()
-            (self.cache, self.state, out, n_acc), modelled = self._program(
-                key, lambda: steps.decode_step(
-                    self.cfg, self.params, self.cache, self.state, lanes, jnp.asarray(active),
-                    jnp.asarray(self.alloc.table[:nb]), k=plan.k, kernels=self.kernels,
-                    mesh=self.mesh, fill_mtp_kv=self.depth0_fills_mtp_kv), contexts)
-            out, n_acc = np.asarray(out), np.asarray(n_acc)
-            t1 = time.perf_counter()
-            seconds = modelled if clocked else t1 - t0
-            observe = getattr(self.policy, "observe", None)
-            if observe is not None and plan.view is not None:
-                # a first call compiles: its wall time is no step cost (modelled time is)
-                observe(dataclasses.replace(plan.view, bucket=nb), plan.k, seconds,
-                        [int(n_acc[b]) for b in plan.decode],
-                        key not in self._programs and not clocked)
-            self._programs.add(key)
-            self.depth_steps[plan.k] += 1
-            for b in plan.decode:
-                sched.decode_done(b, [int(t) for t in out[b]], int(n_acc[b]), plan.k)
-            self.timing["step_s"] += seconds
-            if not clocked:
-                self.timing["host_s"] += time.perf_counter() - t1
-            self.timing["steps"] += 1
-            self.timing["plain_steps"] += plan.k == 0
+                sched.snapshot_saved(slot)
+                seconds += saved if clocked else 0.0
+        if not batch.rows:
+            self.timing["prefill_s"] += seconds if clocked else time.perf_counter() - t0
+            return
+        self.timing["step_s"] += seconds          # a decode step, with its chunk if it has one
+        self.timing["mixed_steps"] += w is not None
+        observe = getattr(self.policy, "observe", None)
+        if observe is not None and batch.view is not None:
+            # a first call compiles: its wall time is no step cost (modelled time is); a step
+            # that carried a chunk is no decode cost either
+            observe(dataclasses.replace(batch.view, bucket=self.lane_bucket(batch.decode)),
+                    batch.k, seconds, [int(n_acc[r.lane]) for r in batch.rows],
+                    w is not None or (compiled and not clocked))
+        self.depth_steps[batch.k] += 1
+        t2 = time.perf_counter()
+        first = []
+        for r in batch.rows:
+            if r.join_token is not None:
+                first.append(r.request_id)
+            sched.decode_done(r.lane, [int(t) for t in out[r.lane]], int(n_acc[r.lane]),
+                              batch.k)
+        if clocked:
+            for rid in first:                 # the request's first token, on the clock
+                started = self._submitted.pop(rid, None)
+                if started is not None:
+                    self.timing["ttft_s"] += self.clock.now - started
+                    self.timing["first_tokens"] += 1
+        else:
+            self.timing["host_s"] += time.perf_counter() - t2
+        self.timing["steps"] += 1
+        self.timing["plain_steps"] += batch.k == 0
 
-    def _prefill(self, w: PrefillWork, lanes: LaneSampling) -> tuple[int | None, float]:
-        """One prefill chunk: (its first token on the last chunk else None, modelled
-        seconds: 0.0 without a clock)."""
+    def _chunk(self, w: PrefillWork, rides: bool) -> tuple[steps.Chunk, int]:
+        """The device form of a prefill chunk, padded to T: its chunk bucket when it runs
+        alone, prefill_chunk when it rides in a decode step."""
         n = len(w.tokens)
-        T = next(b for b in self.chunk_buckets if b >= n)
+        T = (self.prefill_chunk if rides
+             else next(b for b in self.chunk_buckets if b >= max(n, 1)))
         toks = np.zeros((1, T), np.int32)
         toks[0, :n] = w.tokens
         nt = np.zeros((1, T), np.int32)
         nt[0, :len(w.next_tokens)] = w.next_tokens
-        (self.cache, self.state, first), modelled = self._program(
-            ("prefill", T), lambda: steps.prefill_chunk(
-                self.cfg, self.params, self.cache, self.state, lanes, jnp.int32(w.lane),
-                jnp.asarray(toks), jnp.asarray(nt), jnp.int32(w.start), jnp.int32(n),
-                jnp.bool_(w.is_last), jnp.asarray(self.alloc.table[w.lane:w.lane + 1]),
-                k=self.k, kernels=self.kernels, mesh=self.mesh), start=w.start,
-            is_last=w.is_last)
-        self._programs.add(("prefill", T))
-        self.timing["prefill_chunks"] += 1
-        return (int(first) if w.is_last else None), modelled
+        return steps.Chunk(jnp.int32(w.lane), jnp.asarray(toks), jnp.asarray(nt),
+                           jnp.int32(w.start), jnp.int32(n),
+                           jnp.asarray(self.alloc.table[w.lane:w.lane + 1])), T
+
+    def _step(self, sched: Scheduler, batch: StepBatch, chunk, T: int):
+        """Launch the decode step of batch.rows (with the chunk when given); returns (tokens
+        [B, k+1], accepted [B], program key, modelled seconds)."""
+        nb = self.lane_bucket(batch.decode)
+        active = np.zeros(nb, bool)
+        join_mask = np.zeros(nb, bool)
+        join_tok = np.zeros(nb, np.int32)
+        join_pos = np.zeros(nb, np.int32)
+        for r in batch.rows:
+            active[r.lane] = True
+            if r.join_token is not None:
+                join_mask[r.lane], join_tok[r.lane], join_pos[r.lane] = True, r.join_token, r.pos
+        join = steps.Join(jnp.asarray(join_mask), jnp.asarray(join_tok), jnp.asarray(join_pos))
+        lanes = self._lane_sampling(sched, nb)
+        key = ("decode", batch.k, nb) if chunk is None else ("mixed", batch.k, nb, T)
+        contexts = [r.pos for r in batch.rows]   # tokens cached per lane before the step
+        (self.cache, self.state, out, n_acc), modelled = self._program(
+            key, lambda: steps.decode_step(
+                self.cfg, self.params, self.cache, self.state, lanes, jnp.asarray(active),
+                jnp.asarray(self.alloc.table[:nb]), join, chunk, k=batch.k,
+                kernels=self.kernels, mesh=self.mesh, fill_mtp_kv=self.depth0_fills_mtp_kv),
+            contexts, start=0 if batch.prefill is None else batch.prefill.start)
+        return np.asarray(out), np.asarray(n_acc), key, modelled
 
     def clear_prefix_cache(self) -> None:
         """Drop every cached prefix (pages and snapshots return to the pool)."""
@@ -628,8 +660,9 @@ class Engine:
                     lanes: int | None = None) -> list[tuple]:
         """The programs `warmup(depths, lanes)` would compile, as keys (see `stats()["programs"]`):
         ("decode", depth, lane bucket) for every depth (default 0..K) and every lane bucket a
-        run of up to `lanes` (default max_lanes) busy lanes reaches, ("prefill", T) for every
-        chunk bucket, ("move_lane",) with more than one lane and ("snapshot_restore",),
+        run of up to `lanes` (default max_lanes) busy lanes reaches, the same with a prefill
+        chunk riding ("mixed", depth, lane bucket, prefill_chunk; depths up to
+        mixed_max_depth), ("prefill", T) for every chunk bucket, ("move_lane",) with more than one lane and ("snapshot_restore",),
         ("snapshot",) with the prefix cache; minus those this engine already ran."""
         depths = list(range(self.k + 1) if depths is None else depths)
         for d in depths:
@@ -638,6 +671,8 @@ class Engine:
         top = self.max_lanes if lanes is None else min(int(lanes), self.max_lanes)
         buckets = sorted({self.lane_bucket([b]) for b in range(top)})
         keys = [("decode", d, nb) for nb in buckets for d in depths]
+        keys += [("mixed", d, nb, self.prefill_chunk) for nb in buckets for d in depths
+                 if d <= self.mixed_max_depth]
         keys += [("prefill", T) for T in self.chunk_buckets]
         if self.max_lanes > 1:
             keys.append(("move_lane",))
@@ -667,9 +702,8 @@ class Engine:
         already compiled by an engine of the same `shape_key`).
 
         Nothing any request can see is touched: decode programs run with every lane idle
-        (no lane state read or written); prefill programs run on lane 0 with a page table
-        of no pages (every KV write is dropped) and as a non-final chunk (no LaneState
-        written); what they leave in lane 0's GDN slot is never read, since a lane is always
+        (no lane state read or written); prefill chunks (alone or riding) run on lane 0 with
+        a page table of no pages (every KV write is dropped); what they leave in lane 0's GDN slot is never read, since a lane is always
         prefilled from position 0 (read as zeros) or restored from a snapshot when a request
         is admitted to it. A snapshot is saved only into a free slot (with every slot in use,
         save compiles on demand). Call it between generate calls. Returns how many programs
@@ -690,24 +724,24 @@ class Engine:
 
     def _warm_one(self, key: tuple) -> None:
         """Run the program `key` once on inputs that touch nothing a request sees (warmup)."""
-        if key[0] == "decode":
-            _, d, nb = key
+        no_pages = jnp.full((1, self.pages_per_lane), -1, jnp.int32)
+
+        def chunk(T):     # on lane 0, from position 0, no pages: writes nothing a request reads
+            zeros = jnp.zeros((1, T), jnp.int32)
+            return steps.Chunk(jnp.int32(0), zeros, zeros, jnp.int32(0), jnp.int32(T), no_pages)
+        if key[0] in ("decode", "mixed"):
+            d, nb = key[1], key[2]
             lanes_s = LaneSampling.from_params([SamplingParams()] * nb)
             self.cache, self.state, out, _ = steps.decode_step(
                 self.cfg, self.params, self.cache, self.state, lanes_s,
-                jnp.zeros(nb, bool), jnp.asarray(self.alloc.table[:nb]), k=d,
+                jnp.zeros(nb, bool), jnp.asarray(self.alloc.table[:nb]), steps.Join.none(nb),
+                chunk(key[3]) if key[0] == "mixed" else None, k=d,
                 kernels=self.kernels, mesh=self.mesh, fill_mtp_kv=self.depth0_fills_mtp_kv)
             out.block_until_ready()
         elif key[0] == "prefill":
-            T = key[1]
-            lanes_all = LaneSampling.from_params([SamplingParams()] * self.lane_slots)
-            no_pages = jnp.full((1, self.pages_per_lane), -1, jnp.int32)
-            zeros = jnp.zeros((1, T), jnp.int32)
-            self.cache, self.state, first = steps.prefill_chunk(
-                self.cfg, self.params, self.cache, self.state, lanes_all, jnp.int32(0), zeros,
-                zeros, jnp.int32(0), jnp.int32(T), jnp.bool_(False), no_pages, k=self.k,
-                kernels=self.kernels, mesh=self.mesh)
-            first.block_until_ready()
+            self.cache = steps.prefill_chunk(self.cfg, self.params, self.cache, chunk(key[1]),
+                                             k=self.k, kernels=self.kernels, mesh=self.mesh)
+            jax.block_until_ready(self.cache)
         elif key == ("move_lane",):
             self.cache, self.state = steps.move_lane(self.cache, self.state, jnp.int32(0),
                                                      jnp.int32(0), mesh=self.mesh)

@@ -95,14 +95,6 @@ def pages_for(n_tokens: int, page_size: int) -> int:
     return -(-max(int(n_tokens), 0) // page_size)
 
 
-def tokens_touched_prefill(end: int, is_last: bool, k: int) -> int:
-    """KV positions [0, result) written by a prefill chunk ending at `end` (exclusive).
-
-    The last chunk also runs the k-1 chained MTP drafts at end .. end+k-2.
-    """
-    return end + (max(k - 1, 0) if is_last else 0)
-
-
 def tokens_touched_decode(pos: int, depth: int) -> int:
     """KV positions [0, result) written by a decode step at `pos` verifying `depth` drafts:
     target pos..pos+depth, MTP pos..pos+a (a <= depth accepted) then depth-1 chained drafts,

@@ -369,9 +369,13 @@ def _contiguous_attend(kv: ContiguousKV, q, k, v, seg: Segment, sm_scale: float)
 def _project_qkv(cfg: Config, p: AttnParams, x, cos, sin):
     """x [B, T, H] (normed) -> q [B, T, NQ, HD] (normed, roped), gate [B, T, NQ*HD],
     k [B, T, NKV, HD] (normed, roped), v [B, T, NKV, HD]."""
-    B, T, _ = x.shape
+    return _split_qkv(cfg, p, dense(x, p.qkv), cos, sin)     # one GEMM over [q | k | v]
+
+
+def _split_qkv(cfg: Config, p: AttnParams, qkv, cos, sin):
+    """The fused projection qkv [B, T, (2 NQ + 2 NKV) HD] -> q, gate, k, v as _project_qkv."""
+    B, T, _ = qkv.shape
     nq, nkv, hd = cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    qkv = dense(x, p.qkv)                                          # one GEMM over [q | k | v]
     qg = qkv[..., :2 * nq * hd].reshape(B, T, nq, 2 * hd)
     q, gate = qg[..., :hd], qg[..., hd:]
     k = qkv[..., 2 * nq * hd:(2 * nq + nkv) * hd].reshape(B, T, nkv, hd)
@@ -384,11 +388,17 @@ def _project_qkv(cfg: Config, p: AttnParams, x, cos, sin):
 def attention_block(cfg: Config, p: AttnParams, x, kv, seg: Segment, cos, sin,
                     kernels: str = "reference"):
     """Gated full attention (spec §3.4). x [B, T, H] (already normed)."""
-    B, T, _ = x.shape
-    q, gate, k, v = _project_qkv(cfg, p, x, cos, sin)
-    o, kv = kv_attend(kv, q, k, v, seg, cfg.head_dim ** -0.5, kernels)
-    o = o.reshape(B, T, gate.shape[-1]) * jax.nn.sigmoid(gate)
+    o, kv = _attend_gated(cfg, p, dense(x, p.qkv), kv, seg, cos, sin, kernels)
     return row_parallel(cfg, o, p.o_proj), kv
+
+
+def _attend_gated(cfg: Config, p: AttnParams, qkv, kv, seg: Segment, cos, sin, kernels: str):
+    """Attention between the fused projection qkv [B, T, ...] and o_proj: q/k norms and rope,
+    KV write + paged attention, the sigmoid gate. Returns (o [B, T, NQ*HD], kv)."""
+    B, T, _ = qkv.shape
+    q, gate, k, v = _split_qkv(cfg, p, qkv, cos, sin)
+    o, kv = kv_attend(kv, q, k, v, seg, cfg.head_dim ** -0.5, kernels)
+    return o.reshape(B, T, gate.shape[-1]) * jax.nn.sigmoid(gate), kv
 
 
 # --------------------------------------------------------------------------------------------
@@ -413,7 +423,24 @@ def gdn_block(cfg: Config, p: GdnParams, x, c: GdnCache, n_pend, seg: Segment, m
     mode "step" (decode / verify, T <= P): pending replay, then the recurrence over the block;
       the block becomes the pending buffer (see gdn.py).
     """
-    B, T, _ = x.shape
+    y, c = _gdn_mix(cfg, p, _gdn_in_proj(p, x), c, n_pend, seg, mode, kernels)
+    return row_parallel(cfg, y, p.out_proj), c
+
+
+def _gdn_in_proj(p: GdnParams, x):
+    """x [..., H] -> [..., CONV + NV*DV + 2 NV]: one GEMM over [qkv | z | b | a]."""
+    proj = dense(x, p.in_proj)
+    if p.in_proj_ba is not None:                                   # FP8 [qkv|z] + dense [b|a]
+        proj = jnp.concatenate([proj, dense(x, p.in_proj_ba)], axis=-1)
+    return proj
+
+
+def _gdn_mix(cfg: Config, p: GdnParams, proj, c: GdnCache, n_pend, seg: Segment, mode: str,
+             kernels: str):
+    """The GDN mixer between in_proj and out_proj: conv window, delta rule (chunked or
+    pending replay), gated norm. proj [B, T, ...] (_gdn_in_proj). Returns
+    (y [B, T, NV*DV], c with the call's slots updated)."""
+    B, T, _ = proj.shape
     kc = cfg.linear_conv_kernel_dim - 1
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
     dk, dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
@@ -422,10 +449,6 @@ def gdn_block(cfg: Config, p: GdnParams, x, c: GdnCache, n_pend, seg: Segment, m
     if mode == "step" and T > P:
         raise ValueError(f"a step of {T} tokens needs at least {T} pending slots, cache has {P}")
     cv = take_slots(c, seg.lane0, B)                               # the call's lanes
-
-    proj = dense(x, p.in_proj)                                     # one GEMM over [qkv|z|b|a]
-    if p.in_proj_ba is not None:                                   # FP8 [qkv|z] + dense [b|a]
-        proj = jnp.concatenate([proj, dense(x, p.in_proj_ba)], axis=-1)
     mixed = proj[..., :cd]                                         # [B, T, CONV]
     z = proj[..., cd:cd + nv * dv].reshape(B, T, nv, dv)
     b = proj[..., cd + nv * dv:cd + nv * dv + nv]                  # [B, T, NV]
@@ -437,9 +460,9 @@ def gdn_block(cfg: Config, p: GdnParams, x, c: GdnCache, n_pend, seg: Segment, m
         hist = jnp.where(fresh[:, None, None], 0, hist)
         cv = dataclasses.replace(cv, state=jnp.where(fresh[:, None, None, None], 0.0, cv.state))
     xs = jnp.concatenate([hist, mixed.astype(cv.conv.dtype)], axis=1)   # [B, KC-1+T, CONV]
-    w = p.conv1d[:, 0, :].astype(x.dtype)                          # [CONV, KC]
+    w = p.conv1d[:, 0, :].astype(proj.dtype)                       # [CONV, KC]
     conv = sum(xs[:, j:j + T] * w[:, j] for j in range(kc + 1))
-    mixed = jax.nn.silu(conv.astype(jnp.float32)).astype(x.dtype)
+    mixed = jax.nn.silu(conv.astype(jnp.float32)).astype(proj.dtype)
 
     q = mixed[..., :kd].reshape(B, T, nk, dk)
     k = mixed[..., kd:2 * kd].reshape(B, T, nk, dk)
@@ -477,8 +500,8 @@ def gdn_block(cfg: Config, p: GdnParams, x, c: GdnCache, n_pend, seg: Segment, m
             pend_k=jnp.pad(k, padT + [(0, 0)] * 2), pend_v=jnp.pad(v, padT + [(0, 0)] * 2),
             pend_g=jnp.pad(g, padT + [(0, 0)]), pend_beta=jnp.pad(beta, padT + [(0, 0)]))
 
-    y = gated_rmsnorm(o.astype(x.dtype), z, p.norm, cfg.rms_norm_eps)
-    return row_parallel(cfg, y.reshape(B, T, nv * dv), p.out_proj), put_slots(c, seg.lane0, new)
+    y = gated_rmsnorm(o.astype(proj.dtype), z, p.norm, cfg.rms_norm_eps)
+    return y.reshape(B, T, nv * dv), put_slots(c, seg.lane0, new)
 
 
 # --------------------------------------------------------------------------------------------
@@ -493,11 +516,62 @@ def full_layer(cfg, p: FullLayer, h, kv, seg, cos, sin, kernels="reference"):
     return h, kv
 
 
-def linear_layer(cfg, p: LinearLayer, h, c, n_pend, seg, mode, kernels):
-    x, c = gdn_block(cfg, p.gdn, rmsnorm_1p(h, p.input_layernorm, cfg.rms_norm_eps),
-                     c, n_pend, seg, mode, kernels)
-    h = h + x
-    h = h + mlp_block(cfg, p.mlp, rmsnorm_1p(h, p.post_attention_layernorm, cfg.rms_norm_eps))
+@dataclasses.dataclass(frozen=True)
+class Group:
+    """One part of a forward call: tokens [B, T] described by seg, run in `mode` ("chunk":
+    a prefill chunk, "step": decode / verify blocks). A call over several groups (a decode
+    batch and a prefill chunk: one engine iteration) runs every GEMM once over all of their
+    tokens, so the weights are read once; only the mixers (attention over each group's pages,
+    the GDN recurrence in each group's mode) run per group, in order."""
+    tokens: jax.Array
+    seg: Segment
+    mode: str
+
+
+def _cat(xs: list):
+    """Per-group arrays [B_g, T_g, ...] -> one [N, ...] for token-wise work (a lone group
+    stays as it is)."""
+    if len(xs) == 1:
+        return xs[0]
+    return jnp.concatenate([x.reshape((-1,) + x.shape[2:]) for x in xs])
+
+
+def _uncat(y, shapes: list):
+    """The inverse of _cat for groups of [B_g, T_g] tokens."""
+    if len(shapes) == 1:
+        return [y]
+    out, i = [], 0
+    for B, T in shapes:
+        out.append(y[i:i + B * T].reshape((B, T) + y.shape[1:]))
+        i += B * T
+    return out
+
+
+def _layer(cfg: Config, kind: str, p, h, c, groups, n_pends, ropes, kernels: str):
+    """One decoder layer over every group's tokens: h is _cat form [N, H] (or [B, T, H] for
+    one group). Returns (h, this layer's cache)."""
+    eps = cfg.rms_norm_eps
+    shapes = [g.tokens.shape for g in groups]
+    x = rmsnorm_1p(h, p.input_layernorm, eps)
+    if kind == FULL:
+        parts = []
+        for g, qkv, (cos, sin) in zip(groups, _uncat(dense(x, p.attn.qkv), shapes), ropes):
+            o, c = _attend_gated(cfg, p.attn, qkv, c, g.seg, cos, sin, kernels)
+            if len(groups) > 1:
+                # order this group's attention before the next group's KV write into the
+                # same pool: otherwise XLA may copy the whole pool to keep both (the H200
+                # audit showed two copies of every layer's K and V pool)
+                o, c = lax.optimization_barrier((o, c))
+            parts.append(o)
+        mix = row_parallel(cfg, _cat(parts), p.attn.o_proj)
+    else:
+        parts = []
+        for g, proj, n_pend in zip(groups, _uncat(_gdn_in_proj(p.gdn, x), shapes), n_pends):
+            y, c = _gdn_mix(cfg, p.gdn, proj, c, n_pend, g.seg, g.mode, kernels)
+            parts.append(y)
+        mix = row_parallel(cfg, _cat(parts), p.gdn.out_proj)
+    h = h + mix
+    h = h + mlp_block(cfg, p.mlp, rmsnorm_1p(h, p.post_attention_layernorm, eps))
     return h, c
 
 
@@ -509,23 +583,38 @@ def forward(cfg: Config, params: Params, cache: Cache, tokens, seg: Segment, mod
     After a call every lane's n_valid tokens are pending ("step": n_pend = n_valid, which a
     speculative engine lowers to accepted + 1 once it knows) or none are ("chunk").
     """
-    B = tokens.shape[0]
-    h = embed_tokens(cfg, params, tokens)                          # [B, T, H]
-    positions = seg.start[:, None] + jnp.arange(tokens.shape[1])[None, :]
-    cos, sin = rope_cos_sin(cfg, positions, params.embed.dtype)
-    n_pend = take_slots(cache.n_pend, seg.lane0, B)
+    (h,), cache = forward_groups(cfg, params, cache, [Group(tokens, seg, mode)], kernels)
+    return h, cache
+
+
+def forward_groups(cfg: Config, params: Params, cache: Cache, groups, kernels: str = "reference"):
+    """`forward` over several groups of tokens in one pass (see Group): returns (the post-norm
+    hidden [B_g, T_g, H] of each group, cache).
+
+    The groups' mixers run in list order within each layer, so a later group sees what an
+    earlier one wrote in that layer: a lane's prefill chunk, then its first decode token
+    (which attends the chunk's KV and continues from its GDN state). Each group's pending
+    count is read at the start of the call, so a lane that an earlier group prefills must
+    enter with n_pend = 0 (steps.iteration ensures it).
+    """
+    groups = list(groups)
+    shapes = [g.tokens.shape for g in groups]
+    dt = params.embed.dtype
+    h = _cat([embed_tokens(cfg, params, g.tokens) for g in groups])
+    ropes = [rope_cos_sin(cfg, g.seg.start[:, None] + jnp.arange(g.tokens.shape[1])[None, :], dt)
+             for g in groups]
+    n_pends = [take_slots(cache.n_pend, g.seg.lane0, g.tokens.shape[0]) for g in groups]
     layers = []
     for kind, p, c in zip(cfg.layer_types, params.layers, cache.layers):
-        if kind == FULL:
-            h, c = full_layer(cfg, p, h, c, seg, cos, sin, kernels)
-        else:
-            h, c = linear_layer(cfg, p, h, c, n_pend, seg, mode, kernels)
+        h, c = _layer(cfg, kind, p, h, c, groups, n_pends, ropes, kernels)
         layers.append(c)
     h = rmsnorm_1p(h, params.final_norm, cfg.rms_norm_eps)
-    n_pend = jnp.zeros_like(seg.n_valid) if mode == "chunk" else seg.n_valid
-    cache = dataclasses.replace(cache, layers=tuple(layers),
-                                n_pend=put_slots(cache.n_pend, seg.lane0, n_pend))
-    return h, cache
+    n_pend = cache.n_pend
+    for g in groups:
+        new = jnp.zeros_like(g.seg.n_valid) if g.mode == "chunk" else g.seg.n_valid
+        n_pend = put_slots(n_pend, g.seg.lane0, new)
+    cache = dataclasses.replace(cache, layers=tuple(layers), n_pend=n_pend)
+    return _uncat(h, shapes), cache
 
 
 def embed_tokens(cfg: Config, params: Params, tokens):

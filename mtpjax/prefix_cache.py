@@ -22,10 +22,18 @@ engine without speculation writes no MTP KV, and its keys leave token L out
 exactly at a boundary but differ right after it reuse only up to the previous boundary (each
 such variant caches its own entry at the boundary when it prefills).
 
-Where snapshots are taken (`snapshot_boundaries`): every `every_blocks`-th block boundary, and
-the last full block before the end of each prompt (the boundary a follow-up turn, which
-extends the prompt, hits). The scheduler ends prefill chunks at these boundaries, and after
-such a chunk the engine saves the lane's GDN state into the entry's slot.
+Where snapshots are taken: at the ends of prefill chunks. The scheduler cuts a sequence into
+chunks at multiples of the chunk length (the iteration's prefill token budget), the same
+positions for every request, and after a chunk that ends on a page boundary (at least
+`every_blocks` pages past the lane's previous snapshot) the engine saves the lane's GDN state
+into a new entry's slot. With a chunk length that is a multiple of the page size (the
+defaults), every chunk end but the last is such a boundary. So the chunk length is
+set by the token budget, not by snapshots, and a prompt of n tokens makes at most
+n / chunk entries.
+
+An entry is published (visible to lookups) only once its snapshot is saved on the device
+(`insert` makes it pending, `publish` after the save): a save that fails leaves no entry
+whose state was never written.
 
 Budget: cached KV pages are pages of the request pool, which requests take back on demand
 (reclaim before preemption), so the cache never lowers request capacity. Snapshots live in a
@@ -33,7 +41,8 @@ fixed number of device slots beside the pool (the engine's `prefix_snapshots`; t
 reported); `snapshot_pages` > 0 would also charge each live snapshot that many pool pages
 (`PageAllocator.take`), for a deployment that wants snapshots to compete with requests for
 one budget (the engine uses 0: its slots are allocated up front). Entries are evicted LRU
-when a slot or pages are needed; a running request's pages are never evicted (the request holds its own
+when a slot or pages are needed, entries never hit before entries that were (so one long
+prompt's many fresh entries cannot push out a hot system prompt); a running request's pages are never evicted (the request holds its own
 references), only the cache's hold on them. Eviction frees an entry's snapshot slot at once:
 a request that hit it has already copied the snapshot into its lane (the restore runs before
 any later save can reuse the slot).
@@ -45,24 +54,6 @@ import collections
 import dataclasses
 
 from mtpjax.kv_pool import PageAllocator
-
-
-def snapshot_boundaries(n: int, page_size: int, every_blocks: int) -> list[int]:
-    """Boundaries L (sorted) of a sequence of n tokens where a snapshot is taken: multiples
-    of every_blocks * page_size, and the last multiple of page_size, all with 0 < L < n (a
-    boundary needs the token at L: it is part of the key, and a hit prefills from it)."""
-    step = every_blocks * page_size
-    out = set(range(step, n, step))
-    last = (n - 1) // page_size * page_size
-    if last > 0:
-        out.add(last)
-    return sorted(out)
-
-
-def next_boundary(prefilled: int, n: int, page_size: int, every_blocks: int) -> int:
-    """Where the prefill chunk starting at `prefilled` must end at the latest: the next
-    snapshot boundary after it, or n."""
-    return next((b for b in snapshot_boundaries(n, page_size, every_blocks) if b > prefilled), n)
 
 
 def block_hashes(tokens, page_size: int) -> list[int]:
@@ -82,6 +73,8 @@ class Entry:
     pages: tuple[int, ...]       # page ids of positions [0, L)
     slot: int                    # snapshot slot on the device
     charge: tuple[int, ...]      # pool pages the snapshot is charged
+    key: tuple = ()              # its key in the table
+    hits: int = 0                # lookups it served
 
 
 @dataclasses.dataclass
@@ -111,6 +104,7 @@ class PrefixCache:
         self.snapshot_bytes, self.every_blocks = snapshot_bytes, every_blocks
         self.extra = int(next_token_in_key)      # key tokens past the boundary: 1 or 0
         self.entries: collections.OrderedDict[tuple, Entry] = collections.OrderedDict()  # LRU first
+        self.pending: dict[int, Entry] = {}      # slot -> entry whose snapshot is being saved
         self.free_slots = list(range(num_slots - 1, -1, -1))
         self.stats = PrefixCacheStats()
         alloc.reclaimer, alloc.reclaimable = self._reclaim, self.reclaimable
@@ -130,6 +124,7 @@ class PrefixCache:
             e = self.entries.get(self._key(hashes, tokens, L))
             if e is not None and e.tokens == tuple(tokens[:L + self.extra]):
                 self.entries.move_to_end(self._key(hashes, tokens, L))
+                e.hits += 1
                 return e
         return None
 
@@ -145,7 +140,8 @@ class PrefixCache:
     def insert(self, tokens, L: int, lane: int) -> int | None:
         """Cache the prefix [0, L) that `lane` has just prefilled (its pages cover it; token L
         is known). Returns the snapshot slot the engine must save the lane's GDN state into,
-        or None (already cached: touched; or the pool cannot give the snapshot's pages)."""
+        then `publish`, or None (already cached or pending: touched; or the pool cannot give
+        the snapshot's pages). The entry holds its pages and slot from now on."""
         if L <= 0 or L % self.page_size or L >= len(tokens):
             raise ValueError(f"a boundary must be a positive multiple of {self.page_size} "
                              f"below the sequence length {len(tokens)}, got {L}")
@@ -154,27 +150,47 @@ class PrefixCache:
         if key in self.entries:
             self.entries.move_to_end(key)
             return None
+        if any(e.key == key for e in self.pending.values()):
+            return None
         pages = self.alloc.lane_pages(lane)[:L // self.page_size]
         if len(pages) < L // self.page_size:
             raise ValueError(f"lane {lane} holds {len(pages)} pages, the prefix needs "
                              f"{L // self.page_size}")
         self.alloc.hold(pages)              # first: eviction below must not free them
         if not self.free_slots:
-            self._evict_lru()
+            self._evict()
         charge = self.alloc.take(self.snapshot_pages) if self.free_slots else None
         if charge is None:
             self.alloc.unhold(pages)
             return None
         slot = self.free_slots.pop()
-        self.entries[key] = Entry(L, tuple(int(t) for t in tokens[:L + self.extra]), tuple(pages),
-                                  slot, tuple(charge))
-        self.stats.inserted += 1
+        self.pending[slot] = Entry(L, tuple(int(t) for t in tokens[:L + self.extra]),
+                                   tuple(pages), slot, tuple(charge), key)
         return slot
 
-    def _evict_lru(self) -> bool:
+    def publish(self, slot: int) -> None:
+        """The snapshot of pending entry `slot` is on the device: lookups may serve it."""
+        e = self.pending.pop(slot)
+        self.entries[e.key] = e
+        self.stats.inserted += 1
+
+    def abandon_pending(self) -> None:
+        """Drop every entry whose snapshot was never saved (a failed step): pages and slots
+        return, nothing was published."""
+        for e in self.pending.values():
+            self.alloc.unhold(e.pages + e.charge)
+            self.free_slots.append(e.slot)
+        self.pending.clear()
+
+    def _evict(self) -> bool:
+        """Evict one entry: the least recently used of those never hit, else the least
+        recently used (a segmented LRU: hit entries are protected from a stream of cold
+        ones)."""
         if not self.entries:
             return False
-        _, e = self.entries.popitem(last=False)
+        key = next((k for k, e in self.entries.items() if e.hits == 0),
+                   next(iter(self.entries)))
+        e = self.entries.pop(key)
         self.alloc.unhold(e.pages + e.charge)
         self.free_slots.append(e.slot)
         self.stats.evicted += 1
@@ -182,7 +198,7 @@ class PrefixCache:
 
     def _reclaim(self, n: int) -> None:
         """Evict LRU entries until n pages are free or nothing is cached."""
-        while self.alloc.free_pages < n and self._evict_lru():
+        while self.alloc.free_pages < n and self._evict():
             pass
 
     def reclaimable(self) -> int:
@@ -190,7 +206,8 @@ class PrefixCache:
         return int(self.alloc.cache_only().sum()) if self.entries else 0
 
     def clear(self) -> None:
-        while self._evict_lru():
+        self.abandon_pending()
+        while self._evict():
             pass
 
     # ---------------------------------------------------------------- report

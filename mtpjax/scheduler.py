@@ -40,8 +40,8 @@ import bisect
 import dataclasses
 from typing import Callable, Protocol
 
-from mtpjax.kv_pool import PageAllocator, pages_for, tokens_touched_decode, tokens_touched_prefill
-from mtpjax.prefix_cache import PrefixCache, next_boundary, snapshot_boundaries
+from mtpjax.kv_pool import PageAllocator, pages_for, tokens_touched_decode
+from mtpjax.prefix_cache import PrefixCache
 from mtpjax.sampling import SamplingParams
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ERROR, FINISH_CANCELLED = "stop", "length", "error", "cancelled"
@@ -92,37 +92,76 @@ class Request:
 
 @dataclasses.dataclass(eq=False)
 class Lane:
-    """A request in a lane: its sequence to prefill, progress, and decode position."""
+    """A request in a lane: its sequence to prefill, progress, and decode position.
+
+    The prefill covers seq[:-1]; the sequence's last token joins a decode step (steps.Join),
+    which samples the first new token."""
     req: Request
     seq: list[int]            # prompt + tokens generated before admission (recompute)
-    prefilled: int = 0        # tokens of seq already prefilled
-    pos: int = -1             # decode: absolute position of the last emitted token
+    prefilled: int = 0        # tokens of seq already prefilled (at most len(seq) - 1)
+    pos: int = -1             # decode: absolute position of the last token fed (-1: not yet)
     drafts: int = 0           # real drafts the lane holds for its next step (0..K)
     restore: int | None = None   # prefix hit: snapshot slot to load before its next prefill
+    reset: bool = False       # its GDN state belongs to seq (a chunk from 0 ran, or a restore)
+    snapped: int = 0          # its last snapshot boundary (prefix cache)
 
     @property
     def prefilling(self) -> bool:
-        return self.prefilled < len(self.seq)
+        """Needs a prefill chunk: tokens before the last one remain, or a fresh lane's reset
+        (a one-token sequence: an empty chunk at 0 zeroes the lane's state)."""
+        return self.prefilled < len(self.seq) - 1 or not self.reset
+
+    @property
+    def ready(self) -> bool:
+        """Prefilled up to its last token, which joins the next decode step."""
+        return self.pos < 0 and not self.prefilling
 
 
 @dataclasses.dataclass(frozen=True)
 class PrefillWork:
     lane: int
     start: int
-    tokens: list[int]         # seq[start:start + C]
-    next_tokens: list[int]    # seq[start + 1:start + C + 1]
-    is_last: bool
+    tokens: list[int]         # seq[start:end]
+    next_tokens: list[int]    # seq[start + 1:end + 1] (end < len(seq): all known)
+    joins: bool               # the chunk ends at len(seq) - 1: the lane joins this step
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
+class BatchRow:
+    """One decode lane of a step, as the step's record holds it."""
+    lane: int                 # lane slot (after this step's compaction)
+    request_id: int
+    pos: int                  # position of the token the step feeds first
+    drafts: int               # real drafts the lane holds (0..K)
+    join_token: int | None    # the sequence's last token when the lane enters decode now
+
+
+@dataclasses.dataclass(frozen=True)
+class StepBatch:
+    """The ordered record of one engine iteration, built by the scheduler (the engine core's
+    host side) and executed by the engine's model runner. Every piece of host bookkeeping
+    after the step (tokens to requests, acceptance to the depth policy, snapshots to the
+    prefix cache) reads this one record, so no two of them can disagree on which lane holds
+    which request.
+
+    rows: the decode lanes in lane order; k: the step's depth; prefill: at most one lane's
+    chunk, run in the same program as the rows; view: what the depth policy is told the step
+    ran (view.lanes correspond to rows, in order)."""
     prefill: PrefillWork | None
-    decode: tuple[int, ...]   # lanes in the decode step
+    rows: tuple[BatchRow, ...]
     k: int                    # drafts verified by the decode step (its depth, 0..K)
     preempted: tuple[int, ...] = ()   # request ids preempted while planning
     moves: tuple[tuple[int, int], ...] = ()   # (src, dst) lane moves to apply first (compaction)
-    view: "StepView | None" = None    # what the policy saw (lanes in decode order)
+    view: "StepView | None" = None
     restores: tuple[tuple[int, int], ...] = ()   # (lane, snapshot slot): after moves, first
+
+    @property
+    def decode(self) -> tuple[int, ...]:
+        """The decode lanes, in row order."""
+        return tuple(r.lane for r in self.rows)
+
+
+Plan = StepBatch      # the name of earlier versions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,8 +225,10 @@ class Scheduler:
                  policy: Policy | None = None,
                  on_token: Callable[[int, list[int]], None] | None = None,
                  prefix_cache: PrefixCache | None = None, lanes: int | None = None,
-                 bucket: Callable[[int], int] | None = None):
+                 bucket: Callable[[int], int] | None = None, mixed_depth: int | None = None):
         self.alloc, self.k, self.max_seq_len = alloc, k, max_seq_len
+        # the deepest step that carries a prefill chunk (default K): a cap bounds the programs
+        self.mixed_depth = k if mixed_depth is None else max(0, min(int(mixed_depth), k))
         self.chunk = prefill_chunk
         self.cache = prefix_cache
         self.every_blocks = prefix_cache.every_blocks if prefix_cache is not None else 0
@@ -212,11 +253,8 @@ class Scheduler:
         """Most pages a request ever holds at depth K (it must fit the pool alone)."""
         k = self.k
         end = min(prompt_len + max_new_tokens, self.max_seq_len)
-        last_pos = end - 2                       # position of the last token fed to a step
-        decode = (tokens_touched_decode(last_pos, k) if last_pos >= prompt_len
-                  else 0)
-        return pages_for(max(tokens_touched_prefill(prompt_len, True, k), decode),
-                         self.alloc.page_size)
+        last_pos = max(end - 2, prompt_len - 1)  # the last token fed to a step (the join's
+        return pages_for(tokens_touched_decode(last_pos, k), self.alloc.page_size)  # at least)
 
     def add(self, req: Request) -> None:
         self.ids.add(req.id)
@@ -235,34 +273,24 @@ class Scheduler:
                       key=lambda b: self.lanes[b].req.id)
 
     def _chunk_end(self, ln: Lane) -> int:
-        """End of the lane's next prefill chunk: chunk tokens on, and with a prefix cache cut
-        at the next snapshot boundary (prefix_cache.snapshot_boundaries), where the engine
-        saves the GDN state."""
-        end = min(ln.prefilled + self.chunk, len(ln.seq))
-        if self.cache is None:
-            return end
-        return min(end, next_boundary(ln.prefilled, len(ln.seq), self.alloc.page_size,
-                                      self.every_blocks))
+        """End of the lane's next prefill chunk: the next multiple of the chunk length (the
+        token budget of an iteration's prefill) after what is prefilled, at most len(seq) - 1
+        (the last token joins a decode step). Chunk ends are the same positions for every
+        request, so the snapshots taken there (prefix cache) serve any request sharing the
+        prefix."""
+        return min(len(ln.seq) - 1, (ln.prefilled // self.chunk + 1) * self.chunk)
 
-    def _prefill_tokens(self, ln: Lane, is_last_only: bool = False) -> int:
-        if is_last_only:
-            return tokens_touched_prefill(len(ln.seq), True, self.k)
-        end = self._chunk_end(ln)
-        return tokens_touched_prefill(end, end == len(ln.seq), self.k)
+    def _feed_pos(self, ln: Lane) -> int:
+        """Position of the first token the lane's next decode step feeds."""
+        return ln.pos if ln.pos >= 0 else len(ln.seq) - 1
 
     def _promised(self) -> int:
-        """Pages running lanes will want soon: rest of their prefill, or their next step at
-        depth 0. Deeper steps run only on pages that are free then (the policy sees
+        """Pages running lanes will want soon: the rest of their prefill and their next step
+        at depth 0. Deeper steps run only on pages that are free then (the policy sees
         `max_depth`), so draft slots never keep a request out: admission is the same whatever
         K is, and under page pressure the depth gives way, not the lanes."""
-        n = 0
-        for b, ln in enumerate(self.lanes):
-            if ln is None:
-                continue
-            want = (self._prefill_tokens(ln, True) if ln.prefilling
-                    else tokens_touched_decode(ln.pos, 0))
-            n += self.alloc.needed(b, want)
-        return n
+        return sum(self.alloc.needed(b, tokens_touched_decode(self._feed_pos(ln), 0))
+                   for b, ln in enumerate(self.lanes) if ln is not None)
 
     def _admit(self) -> None:
         while self.queue and None in self.lanes:
@@ -272,7 +300,7 @@ class Scheduler:
             hit = self.cache.lookup(seq) if self.cache is not None else None
             if hit is not None:
                 self.alloc.share(lane, hit.pages)
-            need = self.alloc.needed(lane, tokens_touched_prefill(len(seq), True, self.k))
+            need = self.alloc.needed(lane, tokens_touched_decode(len(seq) - 1, 0))
             if self.alloc.available - self._promised() < need:
                 self.alloc.free(lane)
                 return
@@ -281,7 +309,8 @@ class Scheduler:
             if self.cache is not None:
                 self.cache.admitted(len(seq), hit)
             if hit is not None:
-                ln.prefilled, ln.restore = hit.length, hit.slot
+                ln.prefilled, ln.restore, ln.reset = hit.length, hit.slot, True
+                ln.snapped = hit.length
             self.lanes[lane] = ln
 
     def _preempt(self, lane: int) -> int:
@@ -293,8 +322,14 @@ class Scheduler:
         self.add(ln.req)
         return ln.req.id
 
-    def schedule(self) -> Plan:
-        """Admit, pick this iteration's work, reserve its pages (preempting when short)."""
+    def _lane_view(self, b: int) -> LaneView:
+        ln = self.lanes[b]
+        return LaneView(ln.req.id, self._feed_pos(ln), ln.drafts if ln.pos >= 0 else 0,
+                        ln.req.stats)
+
+    def schedule(self) -> StepBatch:
+        """Admit, pick this iteration's work, reserve its pages (preempting when short), and
+        return its record."""
         for b, ln in enumerate(self.lanes):
             if ln is not None and ln.req.id in self.cancelled:
                 self._finish(b, FINISH_CANCELLED)
@@ -305,32 +340,35 @@ class Scheduler:
 
         running = self._running()
         pre = next((b for b in running if self.lanes[b].prefilling), None)
-        decode = [b for b in running if not self.lanes[b].prefilling]
-        pre_need = (self.alloc.needed(pre, self._prefill_tokens(self.lanes[pre]))
-                    if pre is not None else 0)
+        joins = pre is not None and self._chunk_end(self.lanes[pre]) == len(self.lanes[pre].seq) - 1
+        decode = sorted(b for b in running
+                        if self.lanes[b].pos >= 0 or self.lanes[b].ready or (b == pre and joins))
+        pre_need = (self.alloc.needed(pre, self._chunk_end(self.lanes[pre]))
+                    if pre is not None and not joins else 0)
 
         available = self.alloc.available     # free + cached-only pages (one count)
 
         def fits(d: int) -> bool:
             return pre_need + sum(self.alloc.needed(b, tokens_touched_decode(
-                self.lanes[b].pos, d)) for b in decode) <= available
+                self._feed_pos(self.lanes[b]), d)) for b in decode) <= available
         max_depth = next((d for d in range(self.k, -1, -1) if fits(d)), 0)
-        view = None
+        if pre is not None:
+            max_depth = min(max_depth, self.mixed_depth)
         k = 0
         if decode:
             top = len(running)     # busy lanes are 0..n-1 after compaction
-            view = StepView(self.k, max_depth, tuple(
-                LaneView(self.lanes[b].req.id, self.lanes[b].pos, self.lanes[b].drafts,
-                         self.lanes[b].req.stats) for b in decode),
-                self.bucket(top), self.step)
+            view = StepView(self.k, max_depth, tuple(self._lane_view(b) for b in decode),
+                            self.bucket(top), self.step)
             k = self.policy(view)
             if not (isinstance(k, int) and 0 <= k <= self.k):
                 raise ValueError(f"speculation policy returned {k!r}; it must return a depth "
                                  f"in 0..{self.k}")
+            if pre is not None:
+                k = min(k, self.mixed_depth)   # a step carrying a chunk: capped programs
 
-        want = {b: tokens_touched_decode(self.lanes[b].pos, k) for b in decode}
-        if pre is not None:
-            want[pre] = self._prefill_tokens(self.lanes[pre])
+        want = {b: tokens_touched_decode(self._feed_pos(self.lanes[b]), k) for b in decode}
+        if pre is not None and pre not in want:
+            want[pre] = self._chunk_end(self.lanes[pre])
         preempted = []
         for b in sorted(want, key=lambda b: self.lanes[b].req.id):
             if self.lanes[b] is None:          # preempted for an older lane
@@ -354,19 +392,27 @@ class Scheduler:
         if pre is not None:
             ln = self.lanes[pre]
             s, e = ln.prefilled, self._chunk_end(ln)
-            work = PrefillWork(pre, s, ln.seq[s:e], ln.seq[s + 1:e + 1], e == len(ln.seq))
+            work = PrefillWork(pre, s, ln.seq[s:e], ln.seq[s + 1:e + 1], e == len(ln.seq) - 1)
+        rows = tuple(BatchRow(b, self.lanes[b].req.id, self._feed_pos(self.lanes[b]),
+                              self.lanes[b].drafts if self.lanes[b].pos >= 0 else 0,
+                              self.lanes[b].seq[-1] if self.lanes[b].pos < 0 else None)
+                     for b in decode)
+        view = None
+        if rows:
+            view = StepView(self.k, max_depth, tuple(self._lane_view(r.lane) for r in rows),
+                            self.bucket(len(self._running())), self.step)
         restores = []
         for b, ln in enumerate(self.lanes):
             if ln is not None and ln.restore is not None:
                 restores.append((b, ln.restore))
                 ln.restore = None
         self.step += 1
-        return Plan(work, tuple(decode), k if decode else 0, tuple(preempted), moves, view,
-                    tuple(restores))
+        return StepBatch(work, rows, k if rows else 0, tuple(preempted), moves, view,
+                         tuple(restores))
 
     def _compact(self) -> tuple[tuple[int, int], ...]:
         """Move the highest busy lanes into the lowest free ones, so that the busy lanes are
-        0..n-1 and a decode step's lane bucket covers no idle lane. The engine moves the
+        0..n-1 and a decode step's lane bucket holds no idle lane. The engine moves the
         lanes' device state (GDN slots, lane state) before running the plan."""
         moves = []
         while None in self.lanes:   # a lane moves at most once: it lands below every hole
@@ -380,27 +426,34 @@ class Scheduler:
         return tuple(moves)
 
     # ---------------------------------------------------------------- results
-    def prefill_done(self, work: PrefillWork, first_token: int | None) -> int | None:
-        """Record a prefill chunk. Returns the snapshot slot to save the lane's GDN state into
-        when the chunk ended at a snapshot boundary the prefix cache took, else None."""
+    def prefill_done(self, work: PrefillWork, first_token=None) -> int | None:
+        """Record a prefill chunk. A chunk that ends on a page boundary at least every_blocks
+        pages past the lane's last snapshot is a snapshot boundary: returns the slot to save
+        the lane's GDN state into when the prefix cache took it, else None. The entry stays
+        unpublished (no lookup sees it) until `snapshot_saved(slot)`: a save that fails never
+        leaves an entry whose state was not written."""
         ln = self.lanes[work.lane]
-        ln.prefilled = work.start + len(work.tokens)
-        if work.is_last:
-            ln.pos = len(ln.seq)
-            ln.drafts = self.k             # the prefill drafts K (steps.prefill_chunk)
-            self._emit(work.lane, [int(first_token)])
-            return None
-        if self.cache is not None and ln.prefilled in snapshot_boundaries(
-                len(ln.seq), self.alloc.page_size, self.every_blocks):
-            return self.cache.insert(ln.seq, ln.prefilled, work.lane)
+        ln.prefilled = L = work.start + len(work.tokens)
+        ln.reset = True
+        ps = self.alloc.page_size
+        if (self.cache is not None and L > 0 and L % ps == 0
+                and L - ln.snapped >= self.every_blocks * ps):
+            ln.snapped = L
+            return self.cache.insert(ln.seq, L, work.lane)
         return None
+
+    def snapshot_saved(self, slot: int) -> None:
+        """The device holds the snapshot of `slot` now: publish its prefix-cache entry."""
+        self.cache.publish(slot)
 
     def decode_done(self, lane: int, tokens: list[int], n_accepted: int, k: int) -> None:
         ln = self.lanes[lane]
         st = ln.req.stats
-        if st.depth_steps:
-            st.depth_steps[k] += 1
-        if k:
+        if ln.pos < 0:             # the lane joined with its last token: no drafts were real
+            ln.pos = len(ln.seq) - 1
+        elif k:
+            if st.depth_steps:
+                st.depth_steps[k] += 1
             real = min(k, ln.drafts)       # slots past the lane's drafts were empty
             st.verify_steps += 1
             st.drafted_tokens += real
@@ -409,6 +462,8 @@ class Scheduler:
                 st.tried_per_position[j] += 1
                 st.accepted_per_position[j] += j < n_accepted
         else:
+            if st.depth_steps:
+                st.depth_steps[0] += 1
             st.plain_steps += 1
         ln.pos += n_accepted + 1
         ln.drafts = k
@@ -449,7 +504,10 @@ class Scheduler:
 
     def abort(self) -> None:
         """End every running and queued request "cancelled" (with the tokens it has) and
-        release every lane's pages: the end of an engine session, or a step that raised."""
+        release every lane's pages: the end of an engine session, or a step that raised
+        (a prefix-cache entry whose snapshot was not saved is dropped, never published)."""
+        if self.cache is not None:
+            self.cache.abandon_pending()
         for b, ln in enumerate(self.lanes):
             if ln is not None:
                 self._finish(b, FINISH_CANCELLED)

@@ -3,11 +3,17 @@
 This is JAX's analogue of CUDA graphs: the host launches one XLA program per step and reads
 back only the emitted tokens. Nothing inside a step waits for the host.
 
-`prefill_chunk` (one lane, one chunk of its prompt):
-  target forward over the chunk (chunked GDN) -> the MTP KV of the chunk's aligned pairs at
-  every prompt position (spec §5.3; model.mtp_fill_kv, the KV projection only) and the MTP
-  layer at the chunk's last pair -> on the last chunk: sample the first token at position N,
-  then draft d_1..d_k with the MTP.
+One program per engine iteration. An iteration reads the weights once: a prefill chunk rides
+in the decode step of the lanes that decode (`decode_step(chunk=...)`, model.forward_groups:
+every GEMM over the chunk's and the step's tokens together, the mixers per group). Only when
+no lane decodes does a chunk run alone (`prefill_chunk`).
+
+A prefill chunk (`Chunk`, one lane) only fills caches: the target forward over its tokens
+(chunked GDN, KV written) and the MTP KV of its aligned pairs (spec §5.3; model.mtp_fill_kv,
+the KV projection only). It never samples or drafts. A sequence's last token is not
+prefilled: it joins a decode step (`Join`) at its position N-1, whose verification samples
+the first new token at N (the same key as a plain sampler's) and whose MTP pass drafts for
+the next step. So a non-final chunk pays for no lm_head, and the final one no extra program.
 
 `decode_step` (every lane; depth d drafts verified, 0 <= d <= K, the engine's draft slots;
 d = 0 on an engine with K = 0 is the stock engine):
@@ -150,85 +156,109 @@ def move_lane(cache: Cache, state: LaneState, src, dst, *, mesh=None):
     return tp.spmd(body, mesh, (cs, P(), P(), P()), (cs, P()))(cache, state, src, dst)
 
 
-@partial(jax.jit, static_argnames=("cfg", "k", "kernels", "mesh"),
-         donate_argnames=("cache", "state"))
-def prefill_chunk(cfg: Config, params: Params, cache: Cache, state: LaneState,
-                  lanes: sampling.LaneSampling, lane, tokens, next_tokens, start, n_valid,
-                  is_last, page_table, *, k: int, kernels: str, mesh=None):
-    """Prefill one chunk of one lane's prompt.
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["lane", "tokens", "next_tokens", "start", "n_valid", "page_table"],
+         meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One lane's prefill chunk: positions [start, start + n_valid) of its sequence.
 
-    tokens, next_tokens: i32[1, Tc] (next_tokens[t] = prompt[start + t + 1]; its entry at
-    n_valid-1 is replaced by the sampled first token on the last chunk). start, n_valid,
-    lane: i32 scalars; is_last: bool scalar; page_table: i32[1, pages_per_lane], this lane's.
-    lanes: the sampling parameters of every lane slot. A chunk at start 0 begins a new
-    sequence: the lane's GDN state and conv history are read as zeros (model.gdn_block).
-    Pages must cover positions [0, start + n_valid + (k - 1 on the last chunk)).
-    Returns (cache, state, first_token i32[]), first_token meaningful on the last chunk.
+    tokens, next_tokens: i32[1, T] (T: the chunk bucket; next_tokens[t] = seq[start + t + 1],
+    always a known token: a prefill never reaches the sequence's last token, which joins the
+    decode batch instead, see `Join`). lane, start, n_valid: i32 scalars; page_table:
+    i32[1, pages_per_lane], the lane's. A chunk at start 0 begins a new sequence: the lane's
+    GDN state and conv history are read as zeros (model.gdn_block); n_valid may be 0 there
+    (a one-token sequence: the chunk only resets the lane)."""
+    lane: jax.Array
+    tokens: jax.Array
+    next_tokens: jax.Array
+    start: jax.Array
+    n_valid: jax.Array
+    page_table: jax.Array
+
+    def segment(self) -> Segment:
+        return Segment(self.start[None], self.n_valid[None], self.page_table, self.lane)
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["mask", "token", "pos"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Join:
+    """Lanes whose sequence's last token enters the decode batch this step (bool mask, its
+    token and position, each [B]): their LaneState row is set to (token, pos, no drafts)
+    before the step, so the step's verification samples the first new token at pos + 1 with
+    the key of (seed, pos + 1), exactly what a plain prefill would sample, and its MTP pass
+    drafts for the next step. A joining lane has nothing pending (its last prefill chunk, a
+    snapshot restore or a reset chunk left n_pend = 0)."""
+    mask: jax.Array
+    token: jax.Array
+    pos: jax.Array
+
+    @staticmethod
+    def none(lanes: int) -> "Join":
+        z = jnp.zeros((lanes,), jnp.int32)
+        return Join(jnp.zeros((lanes,), bool), z, z)
+
+
+@partial(jax.jit, static_argnames=("cfg", "k", "kernels", "mesh"), donate_argnames=("cache",))
+def prefill_chunk(cfg: Config, params: Params, cache: Cache, chunk: Chunk, *, k: int,
+                  kernels: str, mesh=None):
+    """Prefill one chunk of one lane's sequence, nothing else: the target forward over the
+    chunk (chunked GDN, KV written) and, on a K > 0 engine (k = K), the MTP KV of the chunk's
+    pairs (model.mtp_fill_kv: fc and the KV projection only). No sampling, no drafting: the
+    sequence's last token joins a decode step (`Join`), which samples and drafts. What an
+    iteration runs when no lane decodes; with decoding lanes the chunk rides in their step
+    (`decode_step(chunk=...)`). Pages must cover [0, start + n_valid). Returns the cache.
     mesh: a tensor-parallel mesh (tensor_parallel.py) with params and cache laid out on it,
-    or None (one device).
-    """
-    return tp.on_mesh(partial(_prefill_body, k=k, kernels=kernels), cfg, mesh, params, cache,
-                      state, lanes, lane, tokens, next_tokens, start, n_valid, is_last,
-                      page_table, n_out=3)
+    or None (one device)."""
+    body = lambda *a: (_prefill_body(*a, k=k, kernels=kernels),)
+    return tp.on_mesh(body, cfg, mesh, params, cache, chunk, n_out=1)[0]
 
 
-def _prefill_body(cfg: Config, params: Params, cache: Cache, state: LaneState, lanes, lane,
-                  tokens, next_tokens, start, n_valid, is_last, page_table, *, k: int,
+def _prefill_body(cfg: Config, params: Params, cache: Cache, chunk: Chunk, *, k: int,
                   kernels: str):
-    seg = Segment(start[None], n_valid[None], page_table, lane)
-    h, cache = model.forward(cfg, params, cache, tokens, seg, "chunk", kernels)
-    last = n_valid - 1
-    h_last = lax.dynamic_index_in_dim(h, last, axis=1, keepdims=False)     # [1, H]
-    lane_s = jax.tree.map(lambda a: lax.dynamic_slice_in_dim(a, lane, 1), lanes)
-    first = _sample(cfg, params, h_last, lane_s, (start + n_valid)[None])
-
+    seg = chunk.segment()
+    (h,), cache = model.forward_groups(cfg, params, cache,
+                                       [model.Group(chunk.tokens, seg, "chunk")], kernels)
     if k > 0:
-        nt = jnp.where(is_last & (jnp.arange(tokens.shape[1]) == last)[None], first[:, None],
-                       next_tokens)
-        # The MTP KV of every pair of the chunk (fc + KV projection), then the MTP layer at
-        # the last pair only: the drafts need its output there, nothing needs the others'.
-        cache = model.mtp_fill_kv(cfg, params, cache, h, nt, seg)
-        pick = lambda x: lax.dynamic_slice_in_dim(x, last, 1, axis=1)
-        h_mtp, cache = model.mtp_forward(cfg, params, cache, pick(h), pick(nt),
-                                         Segment(start[None] + last, jnp.ones((1,), jnp.int32),
-                                                 page_table, lane), kernels)
-        hm_last = h_mtp[:, 0]
-        d1 = model.argmax_tokens(cfg, params, hm_last)
-        drafts, cache = draft_chain(cfg, params, cache, hm_last, d1, start[None] + last,
-                                    jnp.ones((1,), bool), page_table, k, kernels)
-    else:
-        drafts = jnp.zeros((1, 0), jnp.int32)
-
-    new = LaneState(first, (start + n_valid)[None], drafts)
-    state = jax.tree.map(
-        lambda a, b: jnp.where(is_last, lax.dynamic_update_slice_in_dim(a, b, lane, 0), a),
-        state, new)
-    return cache, state, first[0]
+        cache = model.mtp_fill_kv(cfg, params, cache, h, chunk.next_tokens, seg)
+    return cache
 
 
 @partial(jax.jit, static_argnames=("cfg", "k", "kernels", "mesh", "fill_mtp_kv"),
          donate_argnames=("cache", "state"))
 def decode_step(cfg: Config, params: Params, cache: Cache, state: LaneState,
-                lanes: sampling.LaneSampling, active, page_table, *, k: int, kernels: str,
-                mesh=None, fill_mtp_kv: bool = False):
-    """One draft-verify-accept-rollback-redraft step of depth k for lanes 0..B-1.
+                lanes: sampling.LaneSampling, active, page_table, join: Join,
+                chunk: Chunk | None = None, *, k: int, kernels: str, mesh=None,
+                fill_mtp_kv: bool = False):
+    """One engine iteration: a draft-verify-accept-rollback-redraft step of depth k for lanes
+    0..B-1, and optionally one lane's prefill chunk in the same forward.
 
     k: drafts verified this step, 0..K (K = state.drafts.shape[1], what the cache is sized
     for); the step leaves k fresh drafts (none for k = 0, see "Draft depth per step").
     lanes, active bool[B], page_table i32[B, pages_per_lane]: the first B lane slots (the lane
     bucket; B <= the cache's slots). Idle lanes run as padding (n_valid 0) and keep their state;
     slots >= B are untouched. An active lane at position P needs pages for positions
-    [0, kv_pool.tokens_touched_decode(P, k)).
+    [0, kv_pool.tokens_touched_decode(P, k)). join: lanes entering decode with their
+    sequence's last token (`Join`).
+    chunk: a `Chunk` of another lane (idle in the step, or the lane that joins right after
+    it: its last token then attends the chunk's KV and continues from its GDN state), or
+    None. The chunk and the step's tokens go through every GEMM together
+    (model.forward_groups), so the iteration reads the weights once; the chunk's mixers run
+    first in each layer. One program per (k, B) without a chunk and per (k, B, chunk bucket)
+    with one.
     Returns (cache, state, tokens i32[B, k+1] (-1 past the emitted ones), n_accepted i32[B]).
     mesh: as in prefill_chunk. fill_mtp_kv: whether a depth-0 step writes the MTP KV of its
     committed pair (see "Draft depth per step"); no effect at k > 0.
     """
-    return tp.on_mesh(partial(_decode_body, k=k, kernels=kernels, fill_mtp_kv=fill_mtp_kv),
-                      cfg, mesh, params, cache, state, lanes, active, page_table, n_out=4)
+    body = partial(_decode_body, k=k, kernels=kernels, fill_mtp_kv=fill_mtp_kv)
+    extra = () if chunk is None else (chunk,)
+    return tp.on_mesh(body, cfg, mesh, params, cache, state, lanes, active, page_table, join,
+                      *extra, n_out=4)
 
 
 def _decode_body(cfg: Config, params: Params, cache: Cache, state: LaneState, lanes, active,
-                 page_table, *, k: int, kernels: str, fill_mtp_kv: bool = False):
+                 page_table, join: Join, chunk: Chunk | None = None, *, k: int, kernels: str,
+                 fill_mtp_kv: bool = False):
     B = active.shape[0]
     K = state.drafts.shape[1]
     if not 0 <= k <= K:
@@ -240,11 +270,23 @@ def _decode_body(cfg: Config, params: Params, cache: Cache, state: LaneState, la
         raise ValueError(f"a step over {B} lanes needs as many slots, the cache has "
                          f"{state.pos.shape[0]}")
     full_state, state = state, model.take_slots(state, 0, B)
+    state = LaneState(jnp.where(join.mask, join.token, state.last_token),
+                      jnp.where(join.mask, join.pos, state.pos),
+                      jnp.where(join.mask[:, None], 0, state.drafts))
     drafts_in = state.drafts[:, :k]
     tokens = jnp.concatenate([state.last_token[:, None], drafts_in], axis=1)     # [B, k+1]
     n_in = jnp.where(active, k + 1, 0).astype(jnp.int32)
-    h, cache = model.forward(cfg, params, cache, tokens, Segment(state.pos, n_in, page_table),
-                             "step", kernels)
+    groups = [model.Group(tokens, Segment(state.pos, n_in, page_table), "step")]
+    if chunk is not None:
+        # the chunk's lane leaves it with nothing pending; the step reads that count
+        cache = dataclasses.replace(cache, n_pend=lax.dynamic_update_slice_in_dim(
+            cache.n_pend, jnp.zeros((1,), jnp.int32), chunk.lane, 0))
+        groups.insert(0, model.Group(chunk.tokens, chunk.segment(), "chunk"))
+    hs, cache = model.forward_groups(cfg, params, cache, groups, kernels)
+    if chunk is not None and K > 0:
+        cache = model.mtp_fill_kv(cfg, params, cache, hs[0], chunk.next_tokens,
+                                  chunk.segment())
+    h = hs[-1]
     n_acc, out = _verify(cfg, params, h, drafts_in, lanes, state.pos + 1)
     n_acc = jnp.where(active, n_acc, 0)
     cache = dataclasses.replace(cache, n_pend=model.put_slots(

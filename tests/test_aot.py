@@ -7,7 +7,9 @@ Three layers, each able to fail:
      weight copied once per step, a per-layer Python loop with donated per-layer caches must
      show ~0 data movement and its caches aliased (the two layouts of ../shared/notes/h200_aot.md);
   3. the real 27B decode step (k = 0 and 1, 1 lane, 1k context, bf16, Pallas kernels) compiled
-     the same way: data movement <= 2% of the weight bytes and no weight copied (issue 9).
+     the same way: data movement <= 2% of the weight bytes and no weight copied (issue 9); the
+     same step carrying a 512-token prefill chunk (one iteration with a prefill in flight, 8
+     lanes): the weights read once (<= 1.05x the decode step's), none copied, caches aliased.
 Needs the `aot` extra (the CUDA 13 PJRT plugin, ptxas and libdevice; no GPU, no driver).
 """
 
@@ -261,6 +263,52 @@ def test_27b_decode_step_moves_no_weight_and_under_2_percent(name):
     # the KV pool and the GDN state are updated in place: every donated buffer is aliased
     don = r["donation"]
     assert don["donated"] > 300 and don["not_aliased"] == [], don
+
+
+@pytest.fixture(scope="module")
+def mixed_27b():
+    """The 27B step at depth 0, 8 lanes, 1k context: alone and carrying a 512-token chunk
+    (compile_program's report of each)."""
+    from mtpjax.config import qwen3_5_27b
+    progs = aot_programs.build_programs(qwen3_5_27b(), lanes=8, max_seq_len=1024, K=4,
+                                        kernels="pallas", prefill_chunk=512, depths=[0],
+                                        mixed_depths=[0])
+    device = aot_programs.target_device("h200")
+    return {p.name: aot_programs.compile_program(p, device) for p in progs
+            if p.name in ("decode_k0", "mixed_k0_t512")}
+
+
+def test_27b_mixed_step_reads_the_weights_once(mixed_27b):
+    """An iteration with a prefill in flight reads every weight once: the weight bytes its
+    kernels read (hlo_audit.traffic, by operand kind) are at most 1.05x the decode step's of
+    the same depth and bucket (what it adds: the chunk's MTP KV fill, 0.25 GB, and its
+    embedding rows); no weight is copied (the audit's weight-sourced movement: the chunk's
+    embedding rows only), the KV pool and GDN state stay aliased."""
+    from mtpjax.config import qwen3_5_27b
+    dec, mix = mixed_27b["decode_k0"], mixed_27b["mixed_k0_t512"]
+    w_dec = dec["traffic"]["by_kind"]["read_weight"]
+    w_mix = mix["traffic"]["by_kind"]["read_weight"]
+    msg = (f"weights read: mixed {w_mix / 1e9:.3f} GB, decode {w_dec / 1e9:.3f} GB "
+           f"({w_mix / w_dec:.4f}x); data movement by kind "
+           f"{ {k: round(v / 1e9, 3) for k, v in mix['audit']['data_movement_by_kind'].items()} }")
+    assert w_dec <= w_mix <= 1.05 * w_dec, msg
+    assert w_dec >= 0.99 * dec["roofline"]["floor_terms"]["weights"], msg
+    # weight-sourced data movement: only the chunk's embedding rows (target and MTP lookups,
+    # [512, 5120] bf16 gathered: read + written; 0.8% more at this compile), no weight
+    rows = 2 * 2 * 512 * qwen3_5_27b().hidden_size * 2
+    assert mix["weight_copy_bytes"] <= 1.05 * rows, msg
+    assert mix["donation"]["not_aliased"] == [], mix["donation"]
+    print(msg)
+
+
+def test_27b_mixed_step_copies_no_kv_pool(mixed_27b):
+    """The cache data movement of the step carrying a chunk is the decode step's (small
+    in-place updates) plus the chunk's own: no copy of a whole KV pool (each [NKV, pages,
+    page_size, HD] buffer is 68 MB here and grows with the pool)."""
+    mix = mixed_27b["mixed_k0_t512"]
+    pool = [t for t in mix["audit"]["top_offenders"]
+            if t["what"] == "copy" and t["shape"].startswith("bf16[4,520,16,256]")]
+    assert pool == [], pool[:2]
 
 
 # ---------------------------------------------------------------------------------------------

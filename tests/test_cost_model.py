@@ -8,11 +8,15 @@ Three layers, each able to fail:
   2. the model's moved bytes (Cost.bytes) against traffic() of the engine's own programs,
      compiled deviceless for a config with the 27B's widths (hidden 5120, heads, GDN dims,
      vocabulary) but two layers (one GDN, one full attention): within 3% for decode depths
-     0..4 at 1, 8 and 32 lanes, prefill chunks 64 / 512 / 2048, the draft, move_lane and the
-     snapshot save / restore. Cost.must_read is the floor: never above the moved bytes;
+     0..4 at 1, 8 and 32 lanes, the decode step carrying a prefill chunk ("mixed": depths 0
+     and 2 at 8 lanes, 64- and 512-token chunks), prefill chunks alone 64 / 512 / 2048, the
+     draft, move_lane and the snapshot save / restore. Cost.must_read is the floor: never
+     above the moved bytes. A mixed iteration reads the target weights once: its audited
+     weight reads exceed its decode step's by the chunk's MTP KV fill only;
   2b. the model against the full 27B's audit stored in mtpjax/h200_kernel_counts.AUDIT by
      `python -m experiments aot --kernel_counts` (no compile here): within 3% for every
-     stored program (decode at 1, 8, 16, 32 lanes, K = 0, 1, 4; prefill; draft; copies);
+     stored program (decode at 1, 8, 16, 32 lanes, K = 0, 1, 4; mixed; prefill; draft;
+     copies);
   3. invariants of the model and of VirtualClock (no compile).
 Needs the `aot` extra (the CUDA PJRT plugin; no GPU).
 """
@@ -90,17 +94,29 @@ def test_traffic_counts_loop_trips(h200):
 # seconds. The full 27B (64 layers) is checked by `python -m experiments aot --kernel_counts`.
 CFG = dataclasses.replace(qwen3_5_27b(), layer_types=(LINEAR, FULL))
 K, CTX = 4, 1024
-CASES = ([(B, f"decode_k{d}") for B in (1, 8, 32) for d in range(K + 1)]
+MIXED = [(8, f"mixed_k{d}_t{T}") for d in (0, 2) for T in (64, 512)]
+CASES = ([(B, f"decode_k{d}") for B in (1, 8, 32) for d in range(K + 1)] + MIXED
          + [(1, "prefill_t64"), (1, "prefill_t512"), (1, "prefill_t2048"), (8, "draft"),
             (8, "move_lane"), (8, "snapshot_save"), (8, "snapshot_restore")])
 
 
 def _program(lanes: int, name: str):
-    T = int(name.split("_t")[1]) if name.startswith("prefill") else 64
-    depths = [int(name[-1])] if name.startswith("decode") else [0]
+    """The Program `name` of an engine of `lanes` lanes: decode_k{d}, mixed_k{d}_t{T} (the
+    depth-d step carrying a T-token chunk), prefill_t{T} or one of the others."""
+    T = int(name.split("_t")[1]) if "_t" in name else 64
+    d = int(name[len("decode_k"):] if name.startswith("decode") else
+            name[len("mixed_k"):].split("_")[0] if name.startswith("mixed") else 0)
+    mixed = name.startswith("mixed")
     progs = aot_programs.build_programs(CFG, lanes=lanes, max_seq_len=CTX, K=K,
-                                        kernels="pallas", prefill_chunk=T, depths=depths)
+                                        kernels="pallas", prefill_chunk=T,
+                                        depths=[] if mixed else [d],
+                                        mixed_depths=[d] if mixed else [])
     return next(p for p in progs if p.name == name)
+
+
+def _busy(key: tuple) -> int:
+    """Busy lanes the cases price: every slot of a decode / mixed / draft bucket, else 1."""
+    return key[2] if key[0] in ("decode", "mixed") else key[1] if key[0] == "draft" else 1
 
 
 @pytest.fixture(scope="module")
@@ -112,7 +128,8 @@ def audits():
         prog = _program(*case)
         return case, (prog, aot_programs.compile_traffic(prog,
                                                          aot_programs.target_device("h200")))
-    order = sorted(CASES, key=lambda c: (not c[1].startswith("prefill"), -int(c[1][-1])
+    slow = lambda name: name.startswith(("prefill", "mixed"))
+    order = sorted(CASES, key=lambda c: (not slow(c[1]), -int(c[1][-1])
                                          if c[1].startswith("decode") else 0))
     with concurrent.futures.ThreadPoolExecutor(2) as pool:
         return dict(pool.map(one, order))
@@ -122,15 +139,45 @@ def audits():
 def test_model_bytes_match_the_audit_within_3_percent(audits, lanes, name):
     prog, traffic = audits[(lanes, name)]
     audit = traffic["bytes"]
-    busy = prog.key[2] if prog.key[0] == "decode" else prog.key[1] if \
-        prog.key[0] == "draft" else 1
-    cost = CostModel(CFG, K=K).program(prog.key, [CTX] * busy, start=prog.start)
+    cost = CostModel(CFG, K=K).program(prog.key, [CTX] * _busy(prog.key), start=prog.start)
     msg = (f"{name} at {lanes} lanes: model {cost.total_bytes / 1e9:.4f} GB "
            f"{ {k: round(v / 1e9, 4) for k, v in cost.bytes.items()} } vs audit "
            f"{audit / 1e9:.4f} GB, by kernel class "
            f"{ {k: (v['count'], round(v['bytes'] / 1e9, 4)) for k, v in traffic['by_class'].items()} }")
     assert abs(cost.total_bytes / audit - 1) <= 0.03, msg
     assert cost.must_read_bytes <= cost.total_bytes * (1 + 1e-9), msg
+
+
+@pytest.mark.parametrize("lanes,name", MIXED)
+def test_mixed_iteration_reads_the_weights_once(audits, lanes, name):
+    """An iteration with a prefill in flight (the step carrying a chunk) reads every target
+    weight once: its audited weight reads are its decode step's (same depth and bucket) plus
+    the chunk's MTP KV fill (MTP fc and projection) and its embedding rows, not a second
+    target pass (1.5 GB of layers + 2.5 GB of lm_head in this config). Carried to the 27B
+    (the chunk adds the same bytes whatever the layer count): at most 1.05x the decode
+    step's weight bytes. Its total: the decode step's weight bytes once plus the non-weight
+    bytes of the step and of the chunk alone (the prefill program), within 5% of those."""
+    prog, mixed = audits[(lanes, name)]
+    d, T = prog.key[1], prog.key[3]
+    _, dec = audits[(lanes, f"decode_k{d}")]
+    chunk = aot_programs.compile_traffic(_program(1, f"prefill_t{T}"),
+                                         aot_programs.target_device("h200")) \
+        if (1, f"prefill_t{T}") not in audits else audits[(1, f"prefill_t{T}")][1]
+    w_mix, w_dec = mixed["by_kind"]["read_weight"], dec["by_kind"]["read_weight"]
+    model = CostModel(CFG, K=K)
+    fill = model._mtp_fill_weights(compiled=True)
+    embed_rows = 2 * T * CFG.hidden_size * 2 * 2          # target + MTP embedding, r + w
+    extra = w_mix - w_dec
+    msg = (f"{name}: weights read {w_mix / 1e9:.4f} GB vs the decode step's "
+           f"{w_dec / 1e9:.4f} GB (+{extra / 1e9:.4f} GB; the MTP fill reads "
+           f"{fill / 1e9:.4f} GB)")
+    assert 0 < extra <= fill + 2 * embed_rows, msg
+    w27 = CostModel(K=K).decode(d, lanes, [CTX] * lanes).bytes["weights"]
+    assert (w27 + extra) / w27 <= 1.05, msg
+    print(f"{msg}; at 27B: {(w27 + extra) / w27:.4f}x the decode step's weight bytes")
+    nonweight = lambda t: t["bytes"] - t["by_kind"]["read_weight"]
+    once = w_dec + fill + nonweight(dec) + nonweight(chunk)
+    assert mixed["bytes"] <= 1.05 * once, (msg, mixed["bytes"] / once)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -152,9 +199,8 @@ def test_model_bytes_match_the_stored_27b_audit_within_3_percent(entry, key, aud
     config cannot show (terms that scale with the layer count at many rows: split-K partials
     and the GDN's f32 traffic at 8..32 lanes) is checked here, for every stored K and bucket."""
     weights, K, page_size = entry
-    busy = key[2] if key[0] == "decode" else key[1] if key[0] == "draft" else 1
     cost = CostModel(weights=weights, K=K, page_size=page_size).program(
-        key, [context] * busy, start=start)
+        key, [context] * _busy(key), start=start)
     assert abs(cost.total_bytes / audit - 1) <= 0.03, (
         f"{entry} {key}: model {cost.total_bytes / 1e9:.3f} GB "
         f"{ {k: round(v / 1e9, 3) for k, v in cost.bytes.items()} } vs audit "
@@ -209,24 +255,83 @@ def test_time_is_the_roofline_plus_launches():
                                  "launch_s", "program_s"}
 
 
-def test_non_final_prefill_chunk_floor_drops_the_drafts():
+def test_prefill_chunk_alone_samples_and_drafts_nothing():
+    """steps.prefill_chunk never samples or drafts (the prompt's last token joins a decode
+    step): no lm_head, no MTP pass, no logits, last chunk or not (is_last has no effect);
+    its MTP KV fill reads the MTP fc and projection only."""
     m = CostModel()
     last, mid = m.prefill(64, 512, True), m.prefill(64, 512, False)
-    assert mid.total_bytes == last.total_bytes          # the same program runs
-    assert mid.must_read_bytes < last.must_read_bytes - 4 * m.w["lm_head"]
+    assert mid == last
+    assert mid.bytes["weights"] == pytest.approx(m.w["target"] - m.w["lm_head"]
+                                                 + m._mtp_fill_weights(compiled=True))
+    assert mid.must_read["weights"] == pytest.approx(m.w["target"] - m.w["lm_head"]
+                                                     + m._mtp_fill_weights())
+    assert m._mtp_fill_weights() < m._mtp_fill_weights(compiled=True) < m.w["mtp"]
+    assert "logits" not in mid.bytes and "lm_head_extra" not in mid.bytes
+    # K = 0: nothing reads the chunk's final hidden state; XLA drops the last layer's
+    # output projection and MLP
+    m0 = CostModel(K=0)
+    assert m0.prefill(64).bytes["weights"] == pytest.approx(
+        m0.w["target"] - m0.w["lm_head"] - 2 * m0._tail_params())
+
+
+def test_mixed_is_the_step_and_the_chunk_with_the_weights_once():
+    """("mixed", d, B, T): every term of the decode step and of the chunk alone, but the
+    target weights once (the step's read, lm_head included) plus the chunk's MTP fill; the
+    decoder layers' split-K partials at the rows of both; FLOPs of both."""
+    m = CostModel()
+    ctx = [1024] * 8
+    for d, T in ((0, 64), (4, 64), (2, 512)):
+        dec, pre, mix = m.decode(d, 8, ctx), m.prefill(T, 960), m.mixed(d, 8, T, ctx, 960)
+        assert mix.bytes["weights"] == pytest.approx(
+            dec.bytes["weights"] + m._mtp_fill_weights(compiled=True))
+        assert mix.must_read["weights"] == pytest.approx(
+            dec.must_read["weights"] + m._mtp_fill_weights())
+        for term in ("kv_read", "kv_write", "gdn_state", "activations"):
+            assert mix.bytes[term] == pytest.approx(dec.bytes[term] + pre.bytes[term]), term
+        assert mix.bytes["logits"] == dec.bytes["logits"]
+        target_flops = 2 * T * (m._linear_params("target") - m._linear_params("lm_head"))
+        assert mix.flops == pytest.approx(dec.flops + pre.flops, rel=1e-9)
+        assert mix.flops > target_flops
+        # one iteration instead of two programs: the weights are not paid twice
+        assert mix.total_bytes < dec.total_bytes + pre.total_bytes - 0.9 * pre.bytes["weights"]
+        assert mix.seconds < dec.seconds + pre.seconds
+    assert m.program(("mixed", 1, 8, 64), ctx, start=960) == m.mixed(1, 8, 64, ctx, 960)
+    with pytest.raises(ValueError, match="T >= 1"):
+        m.mixed(0, 8, 0, ctx)
+
+
+def test_prefill_roofline():
+    """max(FLOPs of the 27B forward over N tokens / bf16 throughput, target weights once /
+    bandwidth): memory-bound for a short prompt, compute-bound and growing for a long one;
+    below the modelled prefill of the same tokens."""
+    m = CostModel()
+    assert m.prefill_roofline(16) == pytest.approx(m.w["target"] / H200.hbm_bytes_per_s)
+    r512, r4096 = m.prefill_roofline(512), m.prefill_roofline(4096)
+    assert r512 > m.w["target"] / H200.hbm_bytes_per_s and r4096 > 8 * r512
+    assert r512 < m.prefill(512).seconds
+    with pytest.raises(ValueError):
+        m.prefill_roofline(0)
 
 
 def test_kernel_counts_come_from_the_27b_table():
     from mtpjax.h200_kernel_counts import COUNTS
     table = COUNTS[("bf16", 4, 16)]
-    m = CostModel()
+    m, small = CostModel(), CostModel(CFG)
     for key in [("decode", d, 1) for d in range(5)] + [("prefill", 64), ("draft", 1),
                                                          ("snapshot",), ("snapshot_restore",)]:
         assert m.program(key, [100] if key[0] in ("decode", "draft") else []).kernels \
             == table[key], key
     # a bucket not compiled takes the nearest one; another config the fallback formula
     assert m.program(("prefill", 128)).kernels == table[("prefill", 64)]
-    small = CostModel(CFG)
+    # a mixed key: the table's; at another chunk, the nearest; at a depth not compiled, the
+    # decode step's count plus what a chunk adds at the nearest compiled key
+    assert m.program(("mixed", 4, 8, 64), [100] * 8, 960).kernels == table[("mixed", 4, 8, 64)]
+    assert m.program(("mixed", 4, 8, 512), [100] * 8, 0).kernels == table[("mixed", 4, 8, 64)]
+    assert m.program(("mixed", 2, 1, 64), [100], 0).kernels == table[("decode", 2, 1)] \
+        + table[("mixed", 0, 1, 64)] - table[("decode", 0, 1)]
+    assert small.program(("mixed", 0, 1, 64), [10], 0).kernels == small._kernels_fallback(
+        ("mixed", 0, 1, 64)) > small._kernels_fallback(("decode", 0, 1))
     assert small.program(("decode", 0, 1), [10]).kernels == small._kernels_fallback(
         ("decode", 0, 1))
 
@@ -235,12 +340,15 @@ def test_program_dispatch_and_invalid_inputs():
     m = CostModel()
     assert m.program(("decode", 2, 4), [10, 20]) == m.decode(2, 4, [10, 20])
     assert m.program(("prefill", 64), start=64, is_last=False) == m.prefill(64, 64, False)
+    assert m.program(("mixed", 2, 4, 64), [10, 20], start=64) == m.mixed(2, 4, 64, [10, 20], 64)
     assert m.program(("draft", 2), [5]) == m.draft(2, [5])
     assert m.program(("move_lane",)) == m.move_lane()
     assert m.program(("snapshot",)) == m.snapshot_save()
     assert m.program(("snapshot_restore",)) == m.snapshot_restore()
     for bad, match in [(lambda: m.program(("verify", 1)), "unknown program"),
                        (lambda: m.decode(5, 1, [1]), "depth"),
+                       (lambda: m.mixed(5, 1, 64, [1]), "depth"),
+                       (lambda: m.mixed(0, 1, 64, [1, 2]), "busy lanes"),
                        (lambda: m.decode(0, 1, [1, 2]), "busy lanes"),
                        (lambda: m.decode(0, 2, [-1]), ">= 0"),
                        (lambda: m.prefill(0), "T >= 1"),
@@ -257,13 +365,15 @@ def test_virtual_clock_accumulates_launches_and_host_time():
     m = CostModel()
     clock = VirtualClock(m)
     a = clock.launch(("decode", 1, 2), [100, 200])
-    b = clock.launch(("prefill", 64), start=0, is_last=True)
+    b = clock.launch(("prefill", 64), start=0, is_last=False)
     clock.launch(("decode", 1, 2), [100, 200])
+    c = clock.launch(("mixed", 1, 2, 64), [100, 200], start=64)   # start: the chunk's
     clock.add_host(0.5)
     assert a == m.decode(1, 2, [100, 200]).seconds and b == m.prefill(64).seconds
-    assert clock.device_s == pytest.approx(2 * a + b)
-    assert clock.now == pytest.approx(2 * a + b + 0.5)
-    assert clock.launches == {"decode": 2, "prefill": 1}
+    assert c == m.mixed(1, 2, 64, [100, 200], 64).seconds != m.mixed(1, 2, 64, [100, 200]).seconds
+    assert clock.device_s == pytest.approx(2 * a + b + c)
+    assert clock.now == pytest.approx(2 * a + b + c + 0.5)
+    assert clock.launches == {"decode": 2, "prefill": 1, "mixed": 1}
     rep = clock.report()
     assert rep["host_s"] == 0.5 and rep["hardware"]["sources"] == dict(H200.sources)
     with pytest.raises(ValueError, match="host"):

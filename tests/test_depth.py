@@ -92,15 +92,17 @@ def test_random_depths_with_oracle_drafts_accepted_deep(plain, monkeypatch, samp
     rng = random.Random(7)
     real = steps.decode_step
 
-    def oracle_drafts(cfg, prm, cache, state, lanes, active, table, **kw):
+    def oracle_drafts(cfg, prm, cache, state, lanes, active, table, join, *chunk, **kw):
         seq = PROMPTS[i] + ref[i].token_ids
         (lane,) = np.flatnonzero(np.asarray(active))      # one request at a time
+        if bool(join.mask[lane]):                         # its first step: drafts are reset
+            return real(cfg, prm, cache, state, lanes, active, table, join, *chunk, **kw)
         P = int(state.pos[lane])
         d = [seq[P + 1 + j] if P + 1 + j < len(seq) and rng.random() > 0.15 else 10 - j
              for j in range(K)]
         state = dataclasses.replace(state, drafts=state.drafts.at[lane].set(
             jnp.asarray(d, jnp.int32)))
-        return real(cfg, prm, cache, state, lanes, active, table, **kw)
+        return real(cfg, prm, cache, state, lanes, active, table, join, *chunk, **kw)
 
     monkeypatch.setattr(steps, "decode_step", oracle_drafts)
     e = _engine(K, RandomDepth(3))   # the other tests' programs (one busy lane: bucket 1)
@@ -116,8 +118,9 @@ def test_adaptive_engine_equals_plain_and_warmup_compiles_every_depth(plain):
     greedy, sampled = plain
     e = _engine(K, "adaptive")
     n = e.warmup()
-    # depths 0..K x lane buckets 1, 2, 4; a prefill per chunk bucket; lane move; snapshots
-    assert n == (K + 1) * 3 + len(e.chunk_buckets) + 1 + 2 * (e.prefix is not None)
+    # depths 0..K x lane buckets 1, 2, 4, without and with a prefill chunk riding; a prefill
+    # per chunk bucket; lane move; snapshots
+    assert n == 2 * (K + 1) * 3 + len(e.chunk_buckets) + 1 + 2 * (e.prefix is not None)
     assert e.warmup() == 0
     for ref, sp in ((greedy, GREEDY), (sampled, SAMPLED)):
         for a, b in zip(ref, e.generate(PROMPTS, sp)):
@@ -139,7 +142,7 @@ class _PricedModel:
         self.slope, self.K, self.page_size = slope, k, page_size
 
     def program(self, key, contexts=(), start=0, is_last=True):
-        depth = key[1] if key[0] == "decode" else 0
+        depth = key[1] if key[0] in ("decode", "mixed") else 0
         return types.SimpleNamespace(seconds=1e-3 * (1 + self.slope * depth))
 
 
@@ -156,7 +159,7 @@ def test_adaptive_policy_learns_from_the_engines_clock(plain, slope):
         assert b.token_ids == a.token_ids
     steps = e.depth_steps
     n = sum(steps)
-    assert n == e.timing["steps"] == clock.launches["decode"] > 0
+    assert n == e.timing["steps"] == clock.launches["decode"] + clock.launches["mixed"] > 0
     if slope:
         assert steps[0] >= 0.7 * n, steps
     else:

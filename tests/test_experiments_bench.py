@@ -7,6 +7,10 @@ It runs as a subprocess (it parses absl flags and owns its JAX process).
 the tiny random VOCAB11 model (a sweep of the real checkpoint compiles ~10 engine programs of
 an 8-layer model, minutes of CPU); the flag wiring is checked by a CLI run that must refuse a
 bad depth before building anything.
+
+`bench --sweep=ttft --clock=h200`: TTFT of the tiny checkpoint's engine on the H200 clock
+against the 27B prefill's roofline, at small sizes (prompts of 64 and 128 tokens, 64-token
+chunks).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ def runs(tmp_path_factory):
         "bench": ["bench", "--synthetic=tiny", "--layers=4", "--batch_sizes=1",
                   "--context_lens=16", "--num_speculative_tokens=2", "--iters=2",
                   f"--out={tmp / 'bench.json'}"],
+        "ttft": ["bench", "--sweep=ttft", "--clock=h200", "--ttft_prompts=64,128",
+                 "--prefill_chunk=64", "--num_speculative_tokens=1", f"--out={tmp / 'ttft.json'}"],
     }
     procs = {name: subprocess.Popen([sys.executable, "-m", "experiments", *args], cwd=ROOT,
                                     env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -83,6 +89,43 @@ def test_bench_json(runs):
         assert s["spec_step_estimate_s"] == pytest.approx(s["verify_s"] + 2 * s["draft_s"])
         assert s["break_even_tokens_per_step"] > 0
     assert "step programs [roofline of an H200; not this device]" in text
+
+
+def test_ttft_sweep_json(runs):
+    """Prompts of 64 and 128 tokens, 64-token chunks, K = 1: one row each with the clock's
+    TTFT (at least the 27B prefill's roofline: the clock prices every chunk and the step that
+    samples the first token, plus host time) and its split; a longer prompt takes longer."""
+    from mtpjax.cost_model import CostModel
+    stdout_doc, doc, text = runs["ttft"]
+    assert stdout_doc == doc
+    assert doc["sweep"] == "ttft" and doc["clock"] == "h200" and doc["prefill_chunk"] == 64
+    rows = doc["ttft"]
+    assert [r["prompt_tokens"] for r in rows] == [64, 128]
+    m = CostModel(K=1)
+    for r in rows:
+        for key in ("prompt_tokens", "ttft_ms", "roofline_ms", "ratio", "prefill_chunks",
+                    "prefill_ms", "first_step_ms", "overhead_ms", "host_ms"):
+            assert key in r, key
+        assert r["ttft_ms"] >= r["roofline_ms"] > 0, r
+        assert r["roofline_ms"] == pytest.approx(1e3 * m.prefill_roofline(r["prompt_tokens"]))
+        assert r["ratio"] == pytest.approx(r["ttft_ms"] / r["roofline_ms"])
+        # the clock's split: chunks alone + the step that samples + the host time between
+        assert r["ttft_ms"] == pytest.approx(r["prefill_ms"] + r["first_step_ms"] + r["host_ms"])
+        assert r["host_ms"] >= 0 and r["first_step_ms"] > 0
+        assert 0 < r["overhead_ms"] < r["prefill_ms"] + r["first_step_ms"]
+    # 63 tokens prefill in the step the last one joins; 127: one chunk alone, one riding
+    assert [r["prefill_chunks"] for r in rows] == [1, 2]
+    assert rows[0]["prefill_ms"] == 0 < rows[1]["prefill_ms"]
+    assert rows[1]["ttft_ms"] > rows[0]["ttft_ms"]
+    assert "roof_ms" in text
+
+
+def test_ttft_sweep_needs_the_h200_clock():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    p = subprocess.run([sys.executable, "-m", "experiments", "bench", "--sweep=ttft",
+                        "--out="], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=TIMEOUT_S)
+    assert p.returncode != 0 and "--clock=h200" in p.stderr
 
 
 # --------------------------------------------------------------------------------------------

@@ -175,7 +175,8 @@ def _decode_collectives(cfg, params, k):
     lanes = LaneSampling.from_params([SamplingParams()] * 2)
     compiled = steps.decode_step.lower(
         eng.cfg, eng.params, eng.cache, eng.state, lanes, jnp.ones(2, bool),
-        jnp.asarray(eng.alloc.table[:2]), k=k, kernels="reference", mesh=eng.mesh).compile()
+        jnp.asarray(eng.alloc.table[:2]), steps.Join.none(2), k=k, kernels="reference",
+        mesh=eng.mesh).compile()
     return [(op, ty) for ty, op in _COLLECTIVE.findall(compiled.as_text())]
 
 

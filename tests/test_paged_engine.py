@@ -145,6 +145,7 @@ def test_200_requests_batched_with_preemption_equal_one_at_a_time(k):
     assert s["free_pages"] == s["total_pages"] == POOL
     e.alloc.check()
     allowed = {("prefill", CHUNK)} | {("decode", d, nb) for d in range(k + 1) for nb in (1, 2, 4, 8)}
+    allowed |= {("mixed", d, nb, CHUNK) for d in range(k + 1) for nb in (1, 2, 4, 8)}
     assert set(s["programs"]) <= allowed and s["compiled_programs"] == len(s["programs"])
     if k:
         assert sum(o.stats.accepted_tokens for o in outs) > 0

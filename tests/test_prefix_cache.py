@@ -18,7 +18,7 @@ import pytest
 
 from mtpjax.engine import Engine
 from mtpjax.kv_pool import CorruptPageTableError, PageAllocator, pages_for
-from mtpjax.prefix_cache import PrefixCache, block_hashes, snapshot_boundaries
+from mtpjax.prefix_cache import PrefixCache, block_hashes
 from mtpjax.sampling import SamplingParams
 from mtpjax.scheduler import Request, RequestStats, Scheduler
 
@@ -28,13 +28,72 @@ from tiny_models import VOCAB11_CFG as CFG, VOCAB11_PARAMS as PARAMS
 
 # ------------------------------------------------------------------------------ host side
 
-def test_boundaries_every_nth_block_and_last_full_block():
-    assert snapshot_boundaries(50, 4, 4) == [16, 32, 48]
-    assert snapshot_boundaries(47, 4, 4) == [16, 32, 44]       # last full block before 47
-    assert snapshot_boundaries(17, 4, 4) == [16]               # 16 < 17: token 16 exists
-    assert snapshot_boundaries(16, 4, 4) == [12]               # not 16: no token at 16
-    assert snapshot_boundaries(4, 4, 4) == []
+def put(c, seq, L, lane):
+    """Insert an entry and publish it (the engine publishes once the snapshot is saved)."""
+    slot = c.insert(seq, L, lane)
+    if slot is not None:
+        c.publish(slot)
+    return slot
+
+
+def test_chunks_end_at_multiples_of_the_budget_and_snapshot_there():
+    """The token budget (prefill_chunk) sets the chunks, the same positions for every
+    request; snapshots are taken at page-aligned chunk ends, the last token joins decode."""
+    alloc = PageAllocator(100, 4, 2, 40)
+    cache = PrefixCache(alloc, num_slots=8, snapshot_pages=0, every_blocks=1)
+    s = Scheduler(alloc, k=1, max_seq_len=128, prefill_chunk=8, prefix_cache=cache)
+    s.add(Request(0, list(range(30)), SamplingParams(max_new_tokens=2), frozenset(),
+                  stats=RequestStats.for_depth(1)))
+    chunks, saved = [], []
+    while True:
+        plan = s.schedule()
+        w = plan.prefill
+        if w is None:
+            break
+        chunks.append((w.start, w.start + len(w.tokens), w.joins))
+        assert [r.join_token for r in plan.rows] == ([29] if w.joins else [])
+        slot = s.prefill_done(w)
+        if slot is not None:
+            saved.append(s.lanes[0].prefilled)
+            s.snapshot_saved(slot)
+    assert chunks == [(0, 8, False), (8, 16, False), (16, 24, False), (24, 29, True)]
+    assert saved == [8, 16, 24]
     assert len(block_hashes(list(range(9)), 4)) == 2
+
+
+def test_an_entry_is_visible_only_after_its_snapshot_is_saved():
+    a, c = _cache()
+    seq = list(range(1, 13))
+    a.reserve(0, 12)
+    slot = c.insert(seq, 8, 0)
+    assert slot is not None and c.lookup(seq) is None          # pending: not served
+    assert c.insert(seq, 8, 0) is None                         # pending: not inserted twice
+    c.abandon_pending()                                        # the save failed
+    assert c.lookup(seq) is None and len(c.free_slots) == 2
+    a.free(0)
+    a.check()
+    assert a.free_pages == a.num_pages                         # its pages came back
+    a.reserve(0, 12)
+    put(c, seq, 8, 0)
+    assert c.lookup(seq).length == 8
+
+
+def test_entries_that_were_hit_outlive_a_stream_of_fresh_ones():
+    """Segmented LRU: a long prompt's many entries evict each other, not a hot prefix."""
+    a = PageAllocator(200, 4, 3, 16)
+    c = PrefixCache(a, num_slots=4, snapshot_pages=0, every_blocks=2)
+    hot = [7] * 9
+    a.reserve(0, 9)
+    put(c, hot, 8, 0)
+    a.free(0)
+    assert c.lookup(hot + [1]) is not None                     # hit once: protected
+    long = list(range(100, 160))
+    a.reserve(1, 60)
+    for L in range(8, 57, 8):                                  # 7 fresh entries, 3 slots
+        put(c, long, L, 1)
+    a.free(1)
+    assert c.lookup(hot + [2]) is not None
+    assert c.stats.evicted == 4
 
 
 def _cache(pages=20, slots=2, snap_pages=1):
@@ -46,8 +105,8 @@ def test_key_includes_the_token_after_the_prefix_and_the_longest_hit_wins():
     a, c = _cache()
     seq = list(range(1, 13))                                  # 12 tokens
     a.reserve(0, 12)
-    assert c.insert(seq, 8, 0) is not None and c.insert(seq, 4, 0) is not None
-    assert c.insert(seq, 8, 0) is None                        # already cached: touched
+    assert put(c, seq, 8, 0) is not None and put(c, seq, 4, 0) is not None
+    assert put(c, seq, 8, 0) is None                          # already cached: touched
     a.free(0)
     a.check()
     assert c.lookup(seq[:8] + [99, 5]).length == 4            # token 8 differs: only L=4
@@ -63,7 +122,7 @@ def test_lru_eviction_reclaims_pages_before_anything_else():
     for lane, base in ((0, 0), (1, 50)):
         seq = [base + i for i in range(10)]
         a.reserve(lane, 10)                                   # 3 pages
-        assert c.insert(seq, 8, lane) is not None             # holds 2 pages + 2 charged
+        assert put(c, seq, 8, lane) is not None               # holds 2 pages + 2 charged
         a.free(lane)
     a.check()
     assert a.free_pages == 10 - 8 and a.available == 10 and c.reclaimable() == 8
@@ -81,7 +140,7 @@ def test_shared_pages_are_counted_and_only_frozen_pages_may_be_shared():
     a, c = _cache()
     seq = list(range(20))
     a.reserve(0, 17)
-    c.insert(seq, 16, 0)
+    put(c, seq, 16, 0)
     hit = c.lookup(seq)
     a.share(1, hit.pages)
     a.share(2, hit.pages)
@@ -133,7 +192,7 @@ def test_mock_prefix_hits_read_the_right_pages_under_pressure(k):
     page_size, lanes, max_seq = 4, 4, 96
     waves = conversations(12, seed=k)
     alloc = PageAllocator(1, page_size, lanes, pages_for(max_seq + 2 * k, page_size))
-    need = max(Scheduler(alloc, k=k, max_seq_len=max_seq, prefill_chunk=5).pages_worst_case(
+    need = max(Scheduler(alloc, k=k, max_seq_len=max_seq, prefill_chunk=8).pages_worst_case(
         len(p), sp.max_new_tokens) for w in waves for p, sp in w)
     pages = need + 1                              # the longest request + 1: evict and preempt
     alloc = PageAllocator(pages, page_size, lanes, pages_for(max_seq + 2 * k, page_size))
@@ -141,7 +200,7 @@ def test_mock_prefix_hits_read_the_right_pages_under_pressure(k):
     m = FrozenGuardMock(alloc, k)
     rid = preempted = 0
     for wave in waves:
-        sched = Scheduler(alloc, k=k, max_seq_len=max_seq, prefill_chunk=5, prefix_cache=cache)
+        sched = Scheduler(alloc, k=k, max_seq_len=max_seq, prefill_chunk=8, prefix_cache=cache)
         for p, sp in wave:
             sched.add(Request(rid, p, sp, frozenset(), stats=RequestStats.for_depth(k)))
             rid += 1
@@ -150,11 +209,7 @@ def test_mock_prefix_hits_read_the_right_pages_under_pressure(k):
             alloc.check()
             for src, dst in plan.moves:
                 m.move(src, dst)
-            if plan.prefill:
-                sched.prefill_done(plan.prefill, m.prefill(plan.prefill))
-            for b in plan.decode:
-                out, acc = m.decode(b, plan.k)
-                sched.decode_done(b, out, acc, plan.k)
+            m.step(sched, plan)
             alloc.check()
         for (p, sp), (i, o) in zip(wave, sorted(sched.finished.items())):
             assert o.token_ids == expected(p, sp.max_new_tokens), i
@@ -259,9 +314,9 @@ def test_a_hit_restores_the_state_a_full_prefill_computes():
     prompt = [int(t) for t in rng.integers(0, 11, 23)]
     full = _state_after_prefill(engine(2, False), prompt)
     e = engine(2, True)
-    e.generate([prompt[:21]], SamplingParams(max_new_tokens=1))       # caches 8, 16, 20
+    e.generate([prompt[:21]], SamplingParams(max_new_tokens=1))       # caches 8, 16
     hit = _state_after_prefill(e, prompt)
-    assert e.stats()["prefix_cache"]["tokens_reused"] == 20
+    assert e.stats()["prefix_cache"]["tokens_reused"] == 16
     for (s0, c0), (s1, c1) in zip(full, hit):
         np.testing.assert_allclose(s1, s0, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(c1, c0, rtol=1e-5, atol=1e-6)
@@ -272,7 +327,7 @@ def test_without_speculation_the_next_token_is_not_part_of_the_key():
     c = PrefixCache(a, num_slots=2, snapshot_pages=1, every_blocks=2, next_token_in_key=False)
     seq = list(range(1, 13))
     a.reserve(0, 12)
-    c.insert(seq, 8, 0)
+    put(c, seq, 8, 0)
     a.free(0)
     assert c.lookup(seq[:8] + [99, 5]).length == 8            # no MTP KV depends on token 8
     assert c.lookup(seq[:7] + [99, 5]) is None

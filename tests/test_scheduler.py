@@ -13,8 +13,7 @@ import random
 
 import pytest
 
-from mtpjax.kv_pool import (OutOfPagesError, PageAllocator, pages_for, tokens_touched_decode,
-                            tokens_touched_prefill)
+from mtpjax.kv_pool import OutOfPagesError, PageAllocator, pages_for, tokens_touched_decode
 from mtpjax.sampling import SamplingParams
 from mtpjax.scheduler import Request, RequestStats, Scheduler, SpeculationPolicy
 
@@ -75,10 +74,6 @@ def test_draft_slot_reservation_rules():
     assert tokens_touched_decode(10, 3) == 10 + 2 * 3           # positions 10..15
     assert tokens_touched_decode(10, 1) == 12                   # target 10, 11; MTP 10, 11
     assert tokens_touched_decode(10, 0) == 11                   # depth 0: P only (MTP KV fill)
-    # prefill: the last chunk also chains k-1 MTP drafts after the prompt
-    assert tokens_touched_prefill(7, True, 3) == 9
-    assert tokens_touched_prefill(7, False, 3) == 7
-    assert tokens_touched_prefill(7, True, 0) == 7
     assert pages_for(9, 4) == 3 and pages_for(8, 4) == 2 and pages_for(0, 4) == 0
 
 
@@ -121,17 +116,31 @@ class MockModel:
         self.drafts[lane] = drafts + [0] * (self.k - n)
 
     def prefill(self, w):
+        """A chunk only writes KV (target and MTP): it never samples or drafts."""
         for i, t in enumerate(w.tokens):
             self.write(w.lane, w.start + i, t)
             self.write(w.lane, w.start + i, t, mtp=True)
-        if not w.is_last:
-            return None
-        n = w.start + len(w.tokens)
-        first = oracle(self.context(w.lane, n))
-        self.last[w.lane] = (first, n)
-        if self.k:
-            self.make_drafts(w.lane, n, first, n, self.k)
-        return first
+
+    def join(self, row):
+        """A lane enters decode with its sequence's last token (steps.Join): no drafts."""
+        self.last[row.lane] = (row.join_token, row.pos)
+        self.drafts[row.lane] = [0] * self.k
+
+    def step(self, sched, plan):
+        """Run a plan's chunk and decode rows, report them, as the engine does."""
+        if plan.prefill:
+            self.prefill(plan.prefill)
+        results = []
+        for r in plan.rows:
+            if r.join_token is not None:
+                self.join(r)
+            results.append((r.lane, self.decode(r.lane, plan.k)))
+        if plan.prefill:
+            slot = sched.prefill_done(plan.prefill)
+            if slot is not None:           # the engine saves the snapshot, then publishes
+                sched.snapshot_saved(slot)
+        for lane, (out, acc) in results:
+            sched.decode_done(lane, out, acc, plan.k)
 
     def move(self, src, dst):
         """A lane's device state moves with it (steps.move_lane); pages move by table."""
@@ -199,11 +208,7 @@ def run_mock(reqs, *, lanes, pages, page_size, k, chunk=5, max_seq_len=64, polic
             m.move(src, dst)
         busy = [b for b, ln in enumerate(sched.lanes) if ln is not None]
         assert busy == list(range(len(busy))), f"busy lanes {busy} are not compact"
-        if plan.prefill:
-            sched.prefill_done(plan.prefill, m.prefill(plan.prefill))
-        results = {b: m.decode(b, plan.k) for b in plan.decode}
-        for b, (out, acc) in results.items():
-            sched.decode_done(b, out, acc, plan.k)
+        m.step(sched, plan)
         if plan.decode:
             ks.append(plan.k)
         alloc.check()
@@ -291,7 +296,8 @@ def test_worst_case_pages_of_a_request():
     s = Scheduler(alloc, k=2, max_seq_len=40, prefill_chunk=8)
     # prompt 10, 5 new: last step at pos 13 touches 13 + 2k = 17 tokens -> 5 pages
     assert s.pages_worst_case(10, 5) == 5
-    # one new token: only the prefill (+ k-1 chained draft slots) -> 11 tokens -> 3 pages
-    assert s.pages_worst_case(10, 1) == 3
+    # one new token: the join step at pos 9 (the prompt's last token) at depth k writes up to
+    # 9 + 2k -> 13 tokens -> 4 pages
+    assert s.pages_worst_case(10, 1) == 4
     # capped by the context limit: last pos 38 -> 42 tokens
     assert s.pages_worst_case(10, 1000) == pages_for(42, 4)
