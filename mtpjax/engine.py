@@ -1,18 +1,27 @@
 """The serving engine: lanes, a paged KV pool, and the host loop around the step programs.
 
-The engine knows nothing about XLA beyond calling `steps.prefill_chunk` and
-`steps.decode_step`, and nothing about scheduling beyond asking `scheduler.Scheduler` for a
-plan: validation (bad requests end with finish_reason "error" and never touch the device),
-running the plan, reading back tokens. The same code with num_speculative_tokens = 0 is the
-stock engine the judge compares against.
+The engine is the engine core (host side: validation, sessions, the scheduler's plan) plus
+its model runner (`_run`, `_step`, `_chunk`, `warmup`: device state and program launches),
+joined by one ordered record per iteration, `scheduler.StepBatch`: which lane holds which
+request, its position, real drafts and whether its last prompt token joins now, the step's
+depth, the prefill chunk. Everything after the step (tokens to requests, acceptance to the
+depth policy, snapshots to the prefix cache) reads that record, in its row order. Invalid
+requests end with finish_reason "error" and never touch the device. The same code with
+num_speculative_tokens = 0 is the stock engine the judge compares against.
 
-Host loop (one iteration):
+Host loop (one iteration, ONE program that reads the weights once):
   1. `Scheduler.schedule()`: cancellations, admission by page budget, page reservation for this
-     iteration's writes (preemption by recompute when the pool is short), speculation depth
-  2. at most one prefill chunk (one lane, bucketed length) -> its first token on the last chunk
-  3. one `decode_step` over the decoding lanes (prefilling and empty lanes are padding),
-     verifying the depth 0..K the policy chose (fixed: SpeculationPolicy; adaptive:
-     depth.AdaptiveDepth, which learns from the step time and acceptance the engine reports)
+     iteration's writes (preemption by recompute when the pool is short), speculation depth,
+     the StepBatch record
+  2. the decode step over the decoding lanes at the depth 0..K the policy chose (fixed:
+     SpeculationPolicy; adaptive: depth.AdaptiveDepth, which learns from the step time and
+     acceptance the engine reports), carrying at most one lane's prefill chunk (up to
+     prefill_chunk tokens: the iteration's prefill token budget) in the same forward
+     (steps.decode_step(chunk=...), key ("mixed", depth, lane bucket, prefill_chunk)); a
+     lane whose chunk reaches its last prompt token joins the step with that token and gets
+     its first token from it. With no lane decoding, the chunk runs alone (`prefill_chunk`).
+  3. a snapshot save when the chunk ended at a prefix-cache boundary (then the entry is
+     published)
   4. read back the emitted tokens; the scheduler applies stop conditions, streams them to
      on_token and frees finished lanes' pages
 
@@ -21,9 +30,9 @@ Device state: `model.Cache` with a `PagedKV` pool per full-attention layer and f
 `steps.LaneState`.
 The page table (kv_pool.PageAllocator.table) is sent with every program call.
 
-Compiled programs: one prefill program per chunk bucket (default 8, 16, ... prefill_chunk) and one
+Compiled programs: one prefill program per chunk bucket (default 8, 16, ... prefill_chunk), one
 decode program per (draft depth used (0..K), lane bucket: default 1, 2, 4, ... max_lanes, or
-`lane_buckets`): a step runs only the lane slots up to the highest busy lane, rounded up to a
+`lane_buckets`) and one more per (depth up to mixed_max_depth, lane bucket) with a chunk riding: a step runs only the lane slots up to the highest busy lane, rounded up to a
 bucket, so idle lanes cost nothing; `stats()["compiled_programs"]`. `warmup()` compiles every
 program a run can reach up front. Programs are keyed by shapes, so engines that agree on
 lane_slots, pool_pages, max_seq_len, page_size and K share them (the judge builds its engines
@@ -136,8 +145,11 @@ class Engine:
       prefix_snapshots: GDN snapshot slots, a fixed device allocation beside the pool
       (default min(max(2 * max_lanes, 4), 32); stats()["prefix_cache"]["slot_bytes"]; 151 MB
       each at 27B, so size num_pages and prefix_snapshots together within the memory budget).
-      snapshot_every_blocks: a snapshot every this many pages of a prompt (plus one at the
-      last full page before the prompt's end).
+      snapshot_every_blocks: snapshots are taken at page-aligned prefill chunk ends at least
+      this many pages apart (chunks end at multiples of prefill_chunk, the same positions for
+      every request; with prefill_chunk a multiple of the page size, every chunk end).
+    mixed_max_depth: the deepest step that carries a prefill chunk (default K; the policy's
+      depth is capped to it in those iterations): each depth is one program per lane bucket.
     depth0_fills_mtp_kv: a depth-0 step of a K > 0 engine writes the MTP KV of the pair it
       commits (True) or is the stock step (False, default: later drafts attend the stale
       entries, a measured acceptance cost of about nothing; see steps.py).

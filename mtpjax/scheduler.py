@@ -15,9 +15,11 @@ iteration, runs the plan's programs, and reports the tokens back:
      evicted (LRU) before any request is preempted.
   2b. compaction: the highest busy lanes move into the lowest free ones (Plan.moves), so the
      busy lanes are always 0..n-1 and a decode step's lane bucket holds no idle lane.
-  3. work: at most one prefill chunk (the oldest lane still prefilling; with a prefix cache
-     chunks end at its snapshot boundaries, see _chunk_end) plus one decode step
-     over every lane that finished its prefill. A lane in prefill is idle in the decode step.
+  3. work: at most one prefill chunk (the oldest lane still prefilling; chunks end at
+     multiples of prefill_chunk, the iteration's prefill token budget, and never include a
+     sequence's last token) plus one decode step over every lane that decodes, including a
+     lane whose last token joins now (after its final chunk, in the same step). The engine
+     runs both in one program. A lane in prefill is idle in the decode step.
   4. draft depth: `policy(view)` picks the step's depth d in 0..K from a `StepView` (the
      decoding lanes with their drafts and acceptance so far, the lane bucket, the deepest
      depth the free pages cover); lossless whatever it picks: sampling keys depend on
