@@ -471,7 +471,9 @@ def acceptance_detail(outs, k: int) -> dict:
     adaptive depth, a shallow step cannot accept a deep draft, so this mixes depths). The
     counts are kept so the rates can be checked and pooled. tokens_per_lane_step counts the
     depth-0 steps too (1 token each); tokens_per_verify_step is None when the policy never
-    verified (a useless head: every step at depth 0)."""
+    verified (a useless head: every step at depth 0). first_token_steps: the steps a prompt's
+    last token joined (its first token; no real drafts), in neither count, as the prefill's
+    last step is in other engines'."""
     verify = sum(o.stats.verify_steps for o in outs)
     plain = sum(o.stats.plain_steps for o in outs)
     acc_tokens = sum(o.stats.accepted_tokens for o in outs)
@@ -481,6 +483,7 @@ def acceptance_detail(outs, k: int) -> dict:
             "per_verify_step": [a / max(verify, 1) for a in accepted],
             "accepted": accepted, "tried": tried, "verify_steps": int(verify),
             "plain_lane_steps": int(plain),
+            "first_token_steps": int(sum(o.stats.first_steps for o in outs)),
             "tokens_per_verify_step": (verify + acc_tokens) / verify if verify else None,
             "tokens_per_lane_step": (verify + plain + acc_tokens) / max(verify + plain, 1)}
 

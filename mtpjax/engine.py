@@ -17,7 +17,7 @@ Host loop (one iteration, ONE program that reads the weights once):
      SpeculationPolicy; adaptive: depth.AdaptiveDepth, which learns from the step time and
      acceptance the engine reports), carrying at most one lane's prefill chunk (up to
      prefill_chunk tokens: the iteration's prefill token budget) in the same forward
-     (steps.decode_step(chunk=...), key ("mixed", depth, lane bucket, prefill_chunk)); a
+     (steps.decode_step(chunk=...), key ("mixed", depth, lane_slots, prefill_chunk)); a
      lane whose chunk reaches its last prompt token joins the step with that token and gets
      its first token from it. With no lane decoding, the chunk runs alone (`prefill_chunk`).
   3. a snapshot save when the chunk ended at a prefix-cache boundary (then the entry is
@@ -32,7 +32,9 @@ The page table (kv_pool.PageAllocator.table) is sent with every program call.
 
 Compiled programs: one prefill program per chunk bucket (default 8, 16, ... prefill_chunk), one
 decode program per (draft depth used (0..K), lane bucket: default 1, 2, 4, ... max_lanes, or
-`lane_buckets`) and one more per (depth up to mixed_max_depth, lane bucket) with a chunk riding: a step runs only the lane slots up to the highest busy lane, rounded up to a
+`lane_buckets`) and one more per depth up to mixed_max_depth with a chunk riding (over every
+lane slot, whatever the busy lanes: the padding rows are few beside the chunk's tokens, and
+the programs stay few). A decode step runs only the lane slots up to the highest busy lane, rounded up to a
 bucket, so idle lanes cost nothing; `stats()["compiled_programs"]`. `warmup()` compiles every
 program a run can reach up front. Programs are keyed by shapes, so engines that agree on
 lane_slots, pool_pages, max_seq_len, page_size and K share them (the judge builds its engines
@@ -559,6 +561,8 @@ class Engine:
                 ("snapshot_restore",), lambda: snapshots.restore(
                     self.cache, self.snaps, jnp.int32(lane), jnp.int32(slot), mesh=self.mesh))
         w = batch.prefill
+        if w is None and not batch.rows:      # nothing to run (e.g. every request cancelled)
+            return
         # a chunk riding in a decode step takes the largest bucket: one program per depth and
         # lane bucket, not per chunk length
         chunk, T = (None, 0) if w is None else self._chunk(w, bool(batch.rows))
@@ -632,7 +636,9 @@ class Engine:
     def _step(self, sched: Scheduler, batch: StepBatch, chunk, T: int):
         """Launch the decode step of batch.rows (with the chunk when given); returns (tokens
         [B, k+1], accepted [B], program key, modelled seconds)."""
-        nb = self.lane_bucket(batch.decode)
+        # a step carrying a chunk runs every lane slot: one program per depth, not per depth
+        # and lane bucket (the idle slots are padding rows beside the chunk's tokens)
+        nb = self.lane_bucket(batch.decode) if chunk is None else self.lane_slots
         active = np.zeros(nb, bool)
         join_mask = np.zeros(nb, bool)
         join_tok = np.zeros(nb, np.int32)
@@ -673,7 +679,7 @@ class Engine:
         """The programs `warmup(depths, lanes)` would compile, as keys (see `stats()["programs"]`):
         ("decode", depth, lane bucket) for every depth (default 0..K) and every lane bucket a
         run of up to `lanes` (default max_lanes) busy lanes reaches, the same with a prefill
-        chunk riding ("mixed", depth, lane bucket, prefill_chunk; depths up to
+        chunk riding ("mixed", depth, lane_slots, prefill_chunk; depths up to
         mixed_max_depth), ("prefill", T) for every chunk bucket, ("move_lane",) with more than one lane and ("snapshot_restore",),
         ("snapshot",) with the prefix cache; minus those this engine already ran."""
         depths = list(range(self.k + 1) if depths is None else depths)
@@ -683,7 +689,7 @@ class Engine:
         top = self.max_lanes if lanes is None else min(int(lanes), self.max_lanes)
         buckets = sorted({self.lane_bucket([b]) for b in range(top)})
         keys = [("decode", d, nb) for nb in buckets for d in depths]
-        keys += [("mixed", d, nb, self.prefill_chunk) for nb in buckets for d in depths
+        keys += [("mixed", d, self.lane_slots, self.prefill_chunk) for d in depths
                  if d <= self.mixed_max_depth]
         keys += [("prefill", T) for T in self.chunk_buckets]
         if self.max_lanes > 1:

@@ -60,6 +60,10 @@ class RequestStats:
     tried_per_position: list[int] = dataclasses.field(default_factory=list)
     depth_steps: list[int] = dataclasses.field(default_factory=list)  # decode steps per depth
     plain_steps: int = 0            # decode steps run with depth 0 (policy choice / stock)
+    # the step its last prompt token joined (at the step's depth, counted in depth_steps): it
+    # samples the first token and drafts; its draft slots held no real draft, so it is neither
+    # a verify step nor a plain one (the prefill's last step, in other engines' terms)
+    first_steps: int = 0
     preemptions: int = 0
 
     @staticmethod
@@ -279,8 +283,20 @@ class Scheduler:
         token budget of an iteration's prefill) after what is prefilled, at most len(seq) - 1
         (the last token joins a decode step). Chunk ends are the same positions for every
         request, so the snapshots taken there (prefix cache) serve any request sharing the
-        prefix."""
-        return min(len(ln.seq) - 1, (ln.prefilled // self.chunk + 1) * self.chunk)
+        prefix. With the prefix cache, the chunk that would reach len(seq) - 1 stops at the
+        sequence's last page boundary instead (a snapshot there: what the next turn of a chat
+        shares, however short the prompt is beside the chunk length); the few tokens after it
+        ride with the join in the next iteration."""
+        end = min(len(ln.seq) - 1, (ln.prefilled // self.chunk + 1) * self.chunk)
+        last = self._last_page(ln)
+        if self.cache is not None and end == len(ln.seq) - 1 and ln.prefilled < last < end:
+            return last
+        return end
+
+    def _last_page(self, ln: Lane) -> int:
+        """The last page boundary at or before the sequence's last token."""
+        ps = self.alloc.page_size
+        return (len(ln.seq) - 1) // ps * ps
 
     def _feed_pos(self, ln: Lane) -> int:
         """Position of the first token the lane's next decode step feeds."""
@@ -430,7 +446,8 @@ class Scheduler:
     # ---------------------------------------------------------------- results
     def prefill_done(self, work: PrefillWork, first_token=None) -> int | None:
         """Record a prefill chunk. A chunk that ends on a page boundary at least every_blocks
-        pages past the lane's last snapshot is a snapshot boundary: returns the slot to save
+        pages past the lane's last snapshot, or on the sequence's last page boundary, is a
+        snapshot boundary: returns the slot to save
         the lane's GDN state into when the prefix cache took it, else None. The entry stays
         unpublished (no lookup sees it) until `snapshot_saved(slot)`: a save that fails never
         leaves an entry whose state was not written."""
@@ -438,8 +455,8 @@ class Scheduler:
         ln.prefilled = L = work.start + len(work.tokens)
         ln.reset = True
         ps = self.alloc.page_size
-        if (self.cache is not None and L > 0 and L % ps == 0
-                and L - ln.snapped >= self.every_blocks * ps):
+        if (self.cache is not None and L > 0 and L % ps == 0 and L > ln.snapped
+                and (L - ln.snapped >= self.every_blocks * ps or L == self._last_page(ln))):
             ln.snapped = L
             return self.cache.insert(ln.seq, L, work.lane)
         return None
@@ -453,6 +470,9 @@ class Scheduler:
         st = ln.req.stats
         if ln.pos < 0:             # the lane joined with its last token: no drafts were real
             ln.pos = len(ln.seq) - 1
+            st.first_steps += 1
+            if st.depth_steps:
+                st.depth_steps[k] += 1
         elif k:
             if st.depth_steps:
                 st.depth_steps[k] += 1

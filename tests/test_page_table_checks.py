@@ -57,13 +57,14 @@ def test_the_engine_rejects_a_table_corrupted_mid_run():
     some other page)."""
     e = Engine(CFG, PARAMS, num_speculative_tokens=1, max_lanes=2, max_seq_len=32,
                prefill_chunk=8, page_size=4, kernels="reference")
-    seen = []
+    seen, calls = [], []
 
-    def corrupt(i, ids):
+    def corrupt(i, ids):         # after the first tokens (a step may emit more than one)
         seen.extend(ids)
-        if len(seen) == 1:
+        calls.append(len(ids))
+        if len(calls) == 1:
             e.alloc.table[0, 0] = e.num_pages + 3
 
     with pytest.raises(ValueError, match="lane 0 entry 0"):
         e.generate([[1, 2, 3, 4, 5]], SamplingParams(max_new_tokens=8), on_token=corrupt)
-    assert len(seen) < 8
+    assert len(calls) == 1 and len(seen) < 8

@@ -269,8 +269,10 @@ def test_no_recompiles_across_calls_and_stats():
     for key in ("free_pages", "total_pages", "compiled_programs", "preemptions", "prefill_s",
                 "step_s", "host_s", "steps"):
         assert key in s
-    # one prefill bucket, two depths x the lane buckets 1, 2, 4, 8
-    assert s["compiled_programs"] <= 1 + 2 * 4
+    # one prefill bucket, two depths x the lane buckets 1, 2, 4, 8, and two depths with a
+    # chunk riding (over every lane slot)
+    assert s["compiled_programs"] <= 1 + 2 * 4 + 2
+    assert {p[2] for p in s["programs"] if p[0] == "mixed"} <= {e.lane_slots}
     # the drained tail runs in bucket 1 (compaction keeps the last lane at slot 0)
     assert 1 in {p[2] for p in s["programs"] if p[0] == "decode"}
 
@@ -284,7 +286,9 @@ def test_warmup_compiles_everything_a_crowded_run_needs_and_changes_no_output():
     idx = list(range(30))
     e = crowded(1, max_seq_len=SEQ - 4, prefill_buckets=(4, CHUNK))  # shapes of its own
     n = e.warmup()
-    assert n == 2 * 4 + 2 + 1 + 2      # depths 0..1 x buckets 1..8, 2 chunks, move, snapshots
+    # depths 0..1 x buckets 1..8, the same two depths with a chunk riding, 2 chunks, move,
+    # snapshots
+    assert n == 2 * 4 + 2 + 2 + 1 + 2
     assert e.warmup() == 0
     compiled = []
 

@@ -36,13 +36,25 @@ def put(c, seq, L, lane):
     return slot
 
 
-def test_chunks_end_at_multiples_of_the_budget_and_snapshot_there():
+@pytest.mark.parametrize("n,chunks_want,saved_want", [
+    # 30 tokens: chunks at multiples of 8, then the last page boundary (28), the last token
+    # (29) joins decode
+    (30, [(0, 8, False), (8, 16, False), (16, 24, False), (24, 28, False), (28, 29, True)],
+     [8, 16, 24, 28]),
+    # a prompt shorter than the chunk still leaves a snapshot at its last page boundary (what
+    # a chat's next turn shares)
+    (7, [(0, 4, False), (4, 6, True)], [4]),
+    # the last page boundary is the last token: nothing to split
+    (9, [(0, 8, True)], [8]),
+])
+def test_chunks_end_at_multiples_of_the_budget_and_snapshot_there(n, chunks_want, saved_want):
     """The token budget (prefill_chunk) sets the chunks, the same positions for every
-    request; snapshots are taken at page-aligned chunk ends, the last token joins decode."""
+    request; snapshots are taken at page-aligned chunk ends and at the prompt's last page
+    boundary; the last token joins decode."""
     alloc = PageAllocator(100, 4, 2, 40)
     cache = PrefixCache(alloc, num_slots=8, snapshot_pages=0, every_blocks=1)
     s = Scheduler(alloc, k=1, max_seq_len=128, prefill_chunk=8, prefix_cache=cache)
-    s.add(Request(0, list(range(30)), SamplingParams(max_new_tokens=2), frozenset(),
+    s.add(Request(0, list(range(n)), SamplingParams(max_new_tokens=2), frozenset(),
                   stats=RequestStats.for_depth(1)))
     chunks, saved = [], []
     while True:
@@ -51,13 +63,13 @@ def test_chunks_end_at_multiples_of_the_budget_and_snapshot_there():
         if w is None:
             break
         chunks.append((w.start, w.start + len(w.tokens), w.joins))
-        assert [r.join_token for r in plan.rows] == ([29] if w.joins else [])
+        assert [r.join_token for r in plan.rows] == ([n - 1] if w.joins else [])
         slot = s.prefill_done(w)
         if slot is not None:
             saved.append(s.lanes[0].prefilled)
             s.snapshot_saved(slot)
-    assert chunks == [(0, 8, False), (8, 16, False), (16, 24, False), (24, 29, True)]
-    assert saved == [8, 16, 24]
+    assert chunks == chunks_want
+    assert saved == saved_want
     assert len(block_hashes(list(range(9)), 4)) == 2
 
 
@@ -274,7 +286,9 @@ def test_engine_outputs_equal_with_and_without_the_cache(k, sampled):
 
 def test_engine_cache_under_page_pressure_evicts_and_preempts_exactly():
     k = 2
-    kw = dict(num_pages=20, prefix_snapshots=3)      # a lane at full context needs 17 pages
+    # a lane at full context needs 17 pages: 16 in the pool make the cache give pages back
+    # and the scheduler preempt
+    kw = dict(num_pages=16, prefix_snapshots=3)
     off = run_chat(engine(k, False, num_pages=20), seed=5, turns=3)
     e = engine(k, True, **kw)
     on = run_chat(e, seed=5, turns=3)
@@ -314,9 +328,10 @@ def test_a_hit_restores_the_state_a_full_prefill_computes():
     prompt = [int(t) for t in rng.integers(0, 11, 23)]
     full = _state_after_prefill(engine(2, False), prompt)
     e = engine(2, True)
-    e.generate([prompt[:21]], SamplingParams(max_new_tokens=1))       # caches 8, 16
+    # caches 8, 16 (chunk ends) and 20 (its last page boundary)
+    e.generate([prompt[:21]], SamplingParams(max_new_tokens=1))
     hit = _state_after_prefill(e, prompt)
-    assert e.stats()["prefix_cache"]["tokens_reused"] == 16
+    assert e.stats()["prefix_cache"]["tokens_reused"] == 20
     for (s0, c0), (s1, c1) in zip(full, hit):
         np.testing.assert_allclose(s1, s0, rtol=1e-5, atol=1e-6)
         np.testing.assert_allclose(c1, c0, rtol=1e-5, atol=1e-6)
