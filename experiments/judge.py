@@ -279,7 +279,11 @@ def make_engine(cfg, params, jc: JudgeConfig, k: int, lanes: int, num_pages: int
                               lane_slots=shape.lane_slots,
                               lane_buckets=[b for b in shape.lane_buckets if b <= shape.lane_slots],
                               prefill_chunk=max(jc.prefill_buckets),
-                              prefill_buckets=jc.prefill_buckets, prefix_cache=prefix_cache)
+                              prefill_buckets=jc.prefill_buckets, prefix_cache=prefix_cache,
+                              # one ride bucket: the judge's prompts are short, and a second
+                              # set of mixed programs per k would cost the main job ~3,500
+                              # memory mappings (tests/test_main_job.py's budget)
+                              ride_buckets=[max(jc.prefill_buckets)])
 
 
 MEMORY_HOW = ("each engine's own phase: peak bytes of the live device arrays its run holds "

@@ -17,7 +17,7 @@ Host loop (one iteration, ONE program that reads the weights once):
      SpeculationPolicy; adaptive: depth.AdaptiveDepth, which learns from the step time and
      acceptance the engine reports), carrying at most one lane's prefill chunk (up to
      prefill_chunk tokens: the iteration's prefill token budget) in the same forward
-     (steps.decode_step(chunk=...), key ("mixed", depth, lane_slots, prefill_chunk)); a
+     (steps.decode_step(chunk=...), key ("mixed", depth, lane_slots, T): T its ride bucket); a
      lane whose chunk reaches its last prompt token joins the step with that token and gets
      its first token from it. With no lane decoding, the chunk runs alone (`prefill_chunk`).
   3. a snapshot save when the chunk ended at a prefix-cache boundary (then the entry is
@@ -32,7 +32,7 @@ The page table (kv_pool.PageAllocator.table) is sent with every program call.
 
 Compiled programs: one prefill program per chunk bucket (default 8, 16, ... prefill_chunk), one
 decode program per (draft depth used (0..K), lane bucket: default 1, 2, 4, ... max_lanes, or
-`lane_buckets`) and one more per depth up to mixed_max_depth with a chunk riding (over every
+`lane_buckets`) and one more per depth up to mixed_max_depth and ride bucket with a chunk riding (over every
 lane slot, whatever the busy lanes: the padding rows are few beside the chunk's tokens, and
 the programs stay few). A decode step runs only the lane slots up to the highest busy lane, rounded up to a
 bucket, so idle lanes cost nothing; `stats()["compiled_programs"]`. `warmup()` compiles every
@@ -151,7 +151,12 @@ class Engine:
       this many pages apart (chunks end at multiples of prefill_chunk, the same positions for
       every request; with prefill_chunk a multiple of the page size, every chunk end).
     mixed_max_depth: the deepest step that carries a prefill chunk (default K; the policy's
-      depth is capped to it in those iterations): each depth is one program per lane bucket.
+      depth is capped to it in those iterations): each depth is one program per ride bucket.
+    ride_buckets: the padded lengths of a chunk riding in a decode step, one program per depth
+      each (default: the smallest chunk bucket >= page_size, and prefill_chunk; the largest
+      must be prefill_chunk). A prompt's last chunk is often short (with the prefix cache it
+      is at most the tokens after the last page boundary): padded to prefill_chunk it would
+      cost a compute-bound pass (a 512-token chunk at 27B: ~35 ms instead of ~2 ms).
     depth0_fills_mtp_kv: a depth-0 step of a K > 0 engine writes the MTP KV of the pair it
       commits (True) or is the stock step (False, default: later drafts attend the stale
       entries, a measured acceptance cost of about nothing; see steps.py).
@@ -189,7 +194,8 @@ class Engine:
                  prefix_cache: bool = True, prefix_snapshots: int | None = None,
                  snapshot_every_blocks: int = 4, depth0_fills_mtp_kv: bool = False,
                  lane_slots: int | None = None, lane_buckets: Sequence[int] | None = None,
-                 pool_pages: int | None = None, clock=None, mixed_max_depth: int | None = None):
+                 pool_pages: int | None = None, clock=None, mixed_max_depth: int | None = None,
+                 ride_buckets: Sequence[int] | None = None):
         k = int(num_speculative_tokens)
         if k < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
@@ -239,6 +245,13 @@ class Engine:
         if mixed_max_depth is not None and mixed_max_depth < 0:
             raise ValueError(f"mixed_max_depth must be >= 0, got {mixed_max_depth}")
         self.mixed_max_depth = k if mixed_max_depth is None else min(int(mixed_max_depth), k)
+        if ride_buckets is None:   # a prompt's short tail (e.g. up to its last page) rides cheap
+            ride_buckets = (next(b for b in buckets if b >= min(page_size, prefill_chunk)),
+                            prefill_chunk)
+        self.ride_buckets = sorted(set(map(int, ride_buckets)))
+        if self.ride_buckets[0] < 1 or self.ride_buckets[-1] != prefill_chunk:
+            raise ValueError(f"ride_buckets must be positive and end at prefill_chunk="
+                             f"{prefill_chunk}, got {self.ride_buckets}")
         self.eos = tuple(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids)
         if speculation_policy in (None, "fixed"):
             speculation_policy = SpeculationPolicy()
@@ -622,10 +635,10 @@ class Engine:
 
     def _chunk(self, w: PrefillWork, rides: bool) -> tuple[steps.Chunk, int]:
         """The device form of a prefill chunk, padded to T: its chunk bucket when it runs
-        alone, prefill_chunk when it rides in a decode step."""
+        alone, its ride bucket when it rides in a decode step."""
         n = len(w.tokens)
-        T = (self.prefill_chunk if rides
-             else next(b for b in self.chunk_buckets if b >= max(n, 1)))
+        T = next(b for b in (self.ride_buckets if rides else self.chunk_buckets)
+                 if b >= max(n, 1))
         toks = np.zeros((1, T), np.int32)
         toks[0, :n] = w.tokens
         nt = np.zeros((1, T), np.int32)
@@ -680,7 +693,7 @@ class Engine:
         """The programs `warmup(depths, lanes)` would compile, as keys (see `stats()["programs"]`):
         ("decode", depth, lane bucket) for every depth (default 0..K) and every lane bucket a
         run of up to `lanes` (default max_lanes) busy lanes reaches, the same with a prefill
-        chunk riding ("mixed", depth, lane_slots, prefill_chunk; depths up to
+        chunk riding ("mixed", depth, lane_slots, T) for every ride bucket T (depths up to
         mixed_max_depth), ("prefill", T) for every chunk bucket, ("move_lane",) with more than one lane and ("snapshot_restore",),
         ("snapshot",) with the prefix cache; minus those this engine already ran."""
         depths = list(range(self.k + 1) if depths is None else depths)
@@ -690,7 +703,7 @@ class Engine:
         top = self.max_lanes if lanes is None else min(int(lanes), self.max_lanes)
         buckets = sorted({self.lane_bucket([b]) for b in range(top)})
         keys = [("decode", d, nb) for nb in buckets for d in depths]
-        keys += [("mixed", d, self.lane_slots, self.prefill_chunk) for d in depths
+        keys += [("mixed", d, self.lane_slots, T) for T in self.ride_buckets for d in depths
                  if d <= self.mixed_max_depth]
         keys += [("prefill", T) for T in self.chunk_buckets]
         if self.max_lanes > 1:

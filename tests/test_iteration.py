@@ -114,6 +114,19 @@ def test_mixed_iterations_at_random_depths_equal_plain(plain):
         assert [o.token_ids for o in e.generate(PROMPTS, sp)] == ref
     mixed = {key[1] for key in e.stats()["programs"] if key[0] == "mixed"}
     assert e.timing["mixed_steps"] > 5 and mixed == set(range(K + 1)), (e.timing, mixed)
+    # short chunks (a prompt's tail, up to its last page with the prefix cache) rode padded
+    # to the page-size bucket, the others to the full chunk
+    assert e.ride_buckets == [8, 16]
+    assert {key[3] for key in e.stats()["programs"] if key[0] == "mixed"} == {8, 16}
+
+
+def test_one_ride_bucket_gives_the_same_tokens_and_bad_buckets_are_refused(plain):
+    e = _engine(speculation_policy=RandomDepth(6), ride_buckets=[16])
+    assert [o.token_ids for o in e.generate(PROMPTS, GREEDY)] == plain[0]
+    assert {key[3] for key in e.stats()["programs"] if key[0] == "mixed"} == {16}
+    for bad in ([8], [0, 16], [16, 32]):
+        with pytest.raises(ValueError, match="ride_buckets"):
+            _engine(ride_buckets=bad)
 
 
 def test_mixed_depth_cap_bounds_the_programs(plain):
