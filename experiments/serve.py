@@ -1,7 +1,7 @@
 """`python -m experiments serve [--checkpoint=checkpoints/tiny] [--host=127.0.0.1] [--port=8000]`
 
 An OpenAI-compatible HTTP server (FastAPI + uvicorn) on one continuously running engine
-(mtpjax/online.py): requests join and leave the running batch as they arrive and end.
+(mtpjax/serving/online.py): requests join and leave the running batch as they arrive and end.
 
 Routes: `POST /v1/chat/completions` and `POST /v1/completions` (streaming with SSE, or not),
 `GET /v1/models`, `GET /health`, `GET /metrics` (Prometheus text format).
@@ -329,7 +329,7 @@ def render_prometheus(st, model: str) -> str:
     metric("mtpjax_draft_acceptance_rate", "gauge", "Conditional acceptance by draft position.",
            [(p, a / t if t else 0.0) for p, a, t in
             zip(pos, st.accepted_per_position, st.tried_per_position)])
-    from mtpjax.online import ITERATION_BUCKETS
+    from mtpjax.serving.online import ITERATION_BUCKETS
     lines.append("# HELP mtpjax_iteration_seconds Engine iteration (one step: admission, a "
                  "prefill chunk, a decode step) wall time.")
     lines.append("# TYPE mtpjax_iteration_seconds histogram")
@@ -567,7 +567,7 @@ async def _completion_chunks(handle, req: ParsedRequest, head: dict):
 def load_server(flag_values=FLAGS) -> Server:
     """Tokenizer, engine and a started OnlineEngine from the flags."""
     import mtpjax
-    from mtpjax.online import OnlineEngine
+    from mtpjax.serving.online import OnlineEngine
     from mtpjax.text import Tokenizer
 
     f = flag_values
