@@ -37,7 +37,11 @@ _REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 
 
 class ChatTemplateError(ValueError):
-    """The messages cannot be rendered (the template raised, or a variable is not allowed)."""
+    """The messages cannot be rendered (the template raised on them)."""
+
+
+class TemplateVariableError(ChatTemplateError):
+    """A template variable is not allowed (reserved, or unknown to the built-in template)."""
 
 
 # ---------------------------------------------------------------------------------- loading
@@ -70,12 +74,15 @@ class ChatTemplate:
     origin: str = "mtpjax.text.apply_chat_template"
 
     def render(self, messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-               tools: Sequence[Mapping[str, Any]] | None = None, **variables: Any) -> str:
-        """The prompt text of a chat; ChatTemplateError when the template refuses it."""
+               tools: Sequence[Mapping[str, Any]] | None = None,
+               variables: Mapping[str, Any] | None = None) -> str:
+        """The prompt text of a chat; variables: the template's own (e.g. enable_thinking).
+        ChatTemplateError when the template refuses the chat or a variable."""
+        variables = dict(variables or {})
         if self.source is None:
-            return render_fallback(messages, add_generation_prompt, tools, **variables)
+            return render_fallback(messages, add_generation_prompt, tools, variables)
         return render_jinja(self.source, messages, add_generation_prompt, tools,
-                            **{**self.special_tokens, **variables})
+                            variables={**self.special_tokens, **variables})
 
 
 def load_chat_template(folder: str) -> ChatTemplate:
@@ -165,12 +172,14 @@ def render_jinja(source: str, messages: Sequence[Mapping[str, Any]],
                  add_generation_prompt: bool = True,
                  tools: Sequence[Mapping[str, Any]] | None = None,
                  documents: Sequence[Mapping[str, Any]] | None = None,
-                 **variables: Any) -> str:
-    """Render a Jinja chat template as transformers' apply_chat_template(tokenize=False)."""
+                 variables: Mapping[str, Any] | None = None) -> str:
+    """Render a Jinja chat template as transformers' apply_chat_template(tokenize=False);
+    variables: further template variables (special tokens, enable_thinking, ...)."""
     import jinja2
+    variables = dict(variables or {})
     clash = RESERVED & set(variables)
     if clash:
-        raise ChatTemplateError(f"template variables may not set {', '.join(sorted(clash))}")
+        raise TemplateVariableError(f"template variables may not set {', '.join(sorted(clash))}")
     try:
         return compile_template(source).render(
             messages=template_messages(messages), tools=None if tools is None else list(tools),
@@ -183,20 +192,22 @@ def render_jinja(source: str, messages: Sequence[Mapping[str, Any]],
 
 
 def render_fallback(messages: Sequence[Mapping[str, Any]], add_generation_prompt: bool = True,
-                    tools: Sequence[Mapping[str, Any]] | None = None, **variables: Any) -> str:
+                    tools: Sequence[Mapping[str, Any]] | None = None,
+                    variables: Mapping[str, Any] | None = None) -> str:
     """The hand-written ChatML for a checkpoint without a template: no tools, and of the
     template variables only `enable_thinking`."""
     from mtpjax.text import apply_chat_template
     if tools:
         raise ChatTemplateError("this checkpoint has no chat template, and the built-in one "
                                 "renders no tools")
+    variables = dict(variables or {})
     unknown = set(variables) - {"enable_thinking"}
     if unknown:
-        raise ChatTemplateError(f"the built-in chat template takes only 'enable_thinking', not "
+        raise TemplateVariableError(f"the built-in chat template takes only 'enable_thinking', not "
                                 f"{', '.join(sorted(unknown))}")
     thinking = variables.get("enable_thinking", True)
     if not isinstance(thinking, bool):
-        raise ChatTemplateError("'enable_thinking' must be a boolean")
+        raise TemplateVariableError("'enable_thinking' must be a boolean")
     try:
         return apply_chat_template(list(messages), add_generation_prompt, thinking)
     except (ValueError, KeyError, TypeError) as e:
