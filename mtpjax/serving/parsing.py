@@ -81,10 +81,9 @@ def render_chat(req: ChatCompletionRequest, template: ChatTemplate) -> str:
     try:
         return template.render(messages, True, req.tools or None, req.chat_template_kwargs)
     except TemplateVariableError as e:
-        raise APIError(f"the chat template refused a variable: {e}",
-                       "chat_template_kwargs") from None
+        raise APIError(f"'chat_template_kwargs': {e}", "chat_template_kwargs") from None
     except ChatTemplateError as e:
-        raise APIError(f"the chat template refused the messages: {e}", "messages") from None
+        raise APIError(f"'messages': the chat template refused them: {e}", "messages") from None
 
 
 def parse_chat(body: Any, limits: ServerLimits, tokenizer,
