@@ -98,9 +98,7 @@ def parse_chat(body: Any, limits: ServerLimits, tokenizer,
                          req.enable_thinking, req.skip_special_tokens)
 
 
-def parse_completion(body: Any, limits: ServerLimits, tokenizer,
-                     template: ChatTemplate | None = None) -> ParsedRequest:
-    """A completion request (template: unused; the signature matches parse_chat)."""
+def parse_completion(body: Any, limits: ServerLimits, tokenizer) -> ParsedRequest:
     check_model(body, limits)
     req = validate_request(CompletionRequest, body)
     if isinstance(req.prompt, str):
