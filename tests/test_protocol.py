@@ -70,6 +70,30 @@ def test_chat_defaults_and_fields(tok, template):
     assert chat(tok, template, max_completion_tokens=3).params.max_new_tokens == 3
 
 
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather.",
+                                           "parameters": {"type": "object", "properties": {
+                                               "city": {"type": "string"}}}}}]
+
+
+def test_tools_render_with_auto_and_not_with_none(tok, template):
+    """tool_choice "auto" (the default with tools) renders the tools and asks the app to parse
+    calls; "none" renders the chat without them and parses nothing."""
+    wide = ServerLimits("tiny", vocab_size=300, max_seq_len=4096)
+    for choice in (None, "auto"):
+        fields = {"tools": TOOLS} if choice is None else {"tools": TOOLS, "tool_choice": choice}
+        r = parse_chat({"model": "tiny", "messages": MSGS, **fields}, wide, tok, template)
+        assert r.tools == TOOLS
+        assert r.prompt_ids == tok.encode(template.render(MSGS, True, TOOLS))
+        assert '"name": "get_weather"' in tok.decode(r.prompt_ids)
+    plain = parse_chat({"model": "tiny", "messages": MSGS}, wide, tok, template)
+    for fields in ({"tools": TOOLS, "tool_choice": "none"}, {"tools": []},
+                   {"tool_choice": "auto"}):
+        r = parse_chat({"model": "tiny", "messages": MSGS, **fields}, wide, tok, template)
+        assert r.tools is None and r.prompt_ids == plain.prompt_ids, fields
+    e = refused(lambda: chat(tok, template, tools=TOOLS, tool_choice="required"), "tool_choice")
+    assert "constrained decoding" in e.message
+
+
 def test_completion_defaults_and_prompts(tok):
     r = completion(tok)
     assert r.prompt_ids == tok.encode("def f(x):") and r.params.max_new_tokens == 16
@@ -116,8 +140,17 @@ def test_chat_content_parts_and_tool_history(tok, template):
     ({"stream_options": {"continuous_usage_stats": True}}, "stream_options"),
     ({"n": 2}, "n"), ({"presence_penalty": 0.5}, "presence_penalty"),
     ({"frequency_penalty": -1}, "frequency_penalty"), ({"logprobs": True}, "logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-    ({"tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [{"type": "custom", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "string"}}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "extra": 1}}]}, "tools"),
+    ({"tools": {"type": "function"}}, "tools"),
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": []}, "chat_template_kwargs"),
@@ -186,9 +219,8 @@ def test_every_declared_field_is_implemented_or_no_op_only():
     reads it) or declared with its no-op value only."""
     implemented = {"model", "messages", "prompt", "temperature", "top_p", "top_k", "seed",
                    "stop", "stream", "stream_options", "skip_special_tokens", "max_tokens",
-                   "max_completion_tokens", "chat_template_kwargs"}
-    no_op_only = {"n", "presence_penalty", "frequency_penalty", "logprobs", "tools",
-                  "tool_choice", "echo", "best_of"}
+                   "max_completion_tokens", "chat_template_kwargs", "tools", "tool_choice"}
+    no_op_only = {"n", "presence_penalty", "frequency_penalty", "logprobs", "echo", "best_of"}
     declared = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
     assert declared == implemented | no_op_only
     assert not declared & NOT_SUPPORTED

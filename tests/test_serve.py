@@ -279,7 +279,7 @@ def test_bad_requests_get_openai_errors_and_leave_streams_alone(live, client, re
     error_of(*http(url, {"model": "tiny", "messages": [{"role": "bot", "content": "x"}]}), 400,
              "messages")
     error_of(*http(url, {"model": "tiny", "messages": msgs, "stop": [""]}), 400, "stop")
-    for field, value in [("response_format", {"type": "json_object"}), ("tools", [TOOL]),
+    for field, value in [("response_format", {"type": "json_object"}), ("tool_choice", "required"),
                          ("logprobs", True), ("presence_penalty", 0.5), ("top_logprobs", 2),
                          ("made_up_field", 1)]:
         e = error_of(*http(url, {"model": "tiny", "messages": msgs, field: value}), 400, field)
@@ -333,6 +333,26 @@ def test_chat_with_tool_calls_in_its_history(client):
     prompt = load_chat_template(CKPT).render(parsed, True)
     assert "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>" in prompt
     assert r.usage.prompt_tokens == len(Tokenizer.from_checkpoint(CKPT).encode(prompt))
+
+
+def test_tools_reach_the_template(live, client):
+    """With tools, tool_choice "auto" renders them (the tools' system turn does not fit this
+    server's 128-token context: a 400 that proves it was rendered); "none" leaves them out and
+    answers normally; "required" is refused by name. Parsing calls out of the output is
+    tests/test_serve_tools.py's (the tiny model's text is random)."""
+    url = live + "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "Weather?"}]
+    e = error_of(*http(url, {"model": "tiny", "messages": msgs, "tools": [TOOL]}), 400,
+                 "messages")
+    assert e["code"] == "context_length_exceeded"
+    r = client.chat.completions.create(model="tiny", messages=msgs, tools=[TOOL],
+                                       tool_choice="none", max_tokens=4, seed=1)
+    assert r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls
+    plain = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, seed=1)
+    assert r.usage.prompt_tokens == plain.usage.prompt_tokens
+    e = error_of(*http(url, {"model": "tiny", "messages": msgs, "tools": [TOOL],
+                             "tool_choice": "required"}), 400, "tool_choice")
+    assert "constrained decoding" in e["message"]
 
 
 METRIC_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})? (\S+)$')

@@ -11,7 +11,9 @@ Request flow:
   2. `OnlineEngine.add` and wait until the engine took it (its own checks, e.g. prompt too long,
      -> 400 before any byte of the response is sent);
   3. stream `Delta`s as SSE chunks or collect them; chat output goes through the reasoning
-     split (`<think>...</think>` -> `reasoning_content`, as vLLM's qwen3 parser);
+     split (`<think>...</think>` -> `reasoning_content`, as vLLM's qwen3 parser), then, for a
+     request with tools (tool_choice "auto"), the tool-call parser (`tool_parser`: qwen3_coder
+     XML -> `tool_calls`, finish_reason "tool_calls");
   4. a client that disconnects cancels its request: its pages return at the next engine step.
 """
 
@@ -32,6 +34,7 @@ from mtpjax.serving.chat_template import ChatTemplate, load_chat_template
 from mtpjax.serving.online import OnlineEngine, RequestHandle
 from mtpjax.serving.parsing import ParsedRequest, ServerLimits, parse_chat, parse_completion
 from mtpjax.serving.protocol import APIError
+from mtpjax.serving.tool_parser import ToolCallStream, parse_tool_calls
 
 FINISH = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
 
@@ -42,13 +45,27 @@ def usage(out) -> dict:
             "total_tokens": out.prompt_tokens + out.completion_tokens}
 
 
-def chat_message(text: str, thinking: bool) -> dict:
+def chat_message(text: str, thinking: bool, tools: list[dict] | None = None) -> dict:
+    """The assistant message of a generated text: the reasoning split first, then (with tools)
+    the tool calls out of the content (`tool_parser`)."""
     from mtpjax.text import split_reasoning
     reasoning, content = split_reasoning(text, thinking)
     msg = {"role": "assistant", "content": content}
     if thinking:
         msg["reasoning_content"] = reasoning
+    if tools:
+        msg["content"], calls = parse_tool_calls(content or "", tools)
+        if calls:
+            msg["tool_calls"] = calls
     return msg
+
+
+def finish_reason(out, called: bool) -> str:
+    """OpenAI's finish_reason; "tool_calls" when the output called a tool (as vLLM: also when
+    it ran into max_tokens after the call)."""
+    if called and out.finish_reason in ("stop", "length"):
+        return "tool_calls"
+    return FINISH[out.finish_reason]
 
 
 def sse(obj) -> str:
@@ -61,22 +78,32 @@ def _engine_error(out) -> APIError:
 
 async def chat_chunks(handle: RequestHandle, req: ParsedRequest,
                       head: dict) -> AsyncIterator[str]:
-    """The SSE events of a streamed chat: a role chunk, reasoning/content deltas, the finish
-    chunk, usage (when asked), [DONE]."""
+    """The SSE events of a streamed chat: a role chunk, reasoning/content/tool-call deltas, the
+    finish chunk, usage (when asked), [DONE]. Content goes through the reasoning split, then
+    (with tools) through the tool-call stream."""
     from mtpjax.text import ReasoningStream
     split = ReasoningStream(req.enable_thinking)
+    calls = ToolCallStream(req.tools) if req.tools else None
 
     def chunk(delta, finish=None):
         return sse({**head, "object": "chat.completion.chunk",
                     "choices": [{"index": 0, "delta": delta, "logprobs": None,
                                  "finish_reason": finish}]})
 
-    def delta_of(reasoning, content):
+    def delta_of(reasoning, content, flush=False):
+        tool_calls = []
+        if calls is not None:
+            content, tool_calls = calls.push(content)
+            if flush:
+                more, more_calls = calls.flush()
+                content, tool_calls = content + more, tool_calls + more_calls
         d = {}
         if reasoning:
             d["reasoning_content"] = reasoning
         if content:
             d["content"] = content
+        if tool_calls:
+            d["tool_calls"] = tool_calls
         return d
 
     yield chunk({"role": "assistant", "content": ""})
@@ -84,14 +111,14 @@ async def chat_chunks(handle: RequestHandle, req: ParsedRequest,
         piece = delta_of(*split.push(d.text))
         if piece:
             yield chunk(piece)
-    piece = delta_of(*split.flush())
+    piece = delta_of(*split.flush(), flush=True)
     if piece:
         yield chunk(piece)
     out = handle.output
     if out.finish_reason == "error":
         yield sse(_engine_error(out).body())
     else:
-        yield chunk({}, FINISH[out.finish_reason])
+        yield chunk({}, finish_reason(out, calls is not None and calls.num_calls > 0))
         if req.include_usage:
             yield sse({**head, "object": "chat.completion.chunk", "choices": [],
                        "usage": usage(out)})
@@ -121,8 +148,9 @@ async def completion_chunks(handle: RequestHandle, req: ParsedRequest,
 def final_body(kind: str, out, req: ParsedRequest, head: dict) -> dict:
     """The JSON body of a finished non-streamed request."""
     if kind == "chat":
-        choice = {"index": 0, "message": chat_message(out.text, req.enable_thinking),
-                  "logprobs": None, "finish_reason": FINISH[out.finish_reason]}
+        msg = chat_message(out.text, req.enable_thinking, req.tools)
+        choice = {"index": 0, "message": msg, "logprobs": None,
+                  "finish_reason": finish_reason(out, "tool_calls" in msg)}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": out.text, "logprobs": None,

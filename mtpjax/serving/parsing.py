@@ -10,7 +10,8 @@ inside the context.
 Sampling defaults: temperature 1.0, top_p 1.0, top_k off (-1 or 0), seed random (a request
 with a seed gets the tokens `TextEngine` gives the same prompt and seed), max_tokens the rest
 of the context for chat and 16 for completions. Chat stops on the tokenizer's `<|im_end|>` /
-`<|endoftext|>` as well.
+`<|endoftext|>` as well. Tools: with tool_choice "auto" (the default) the template renders them
+and `ParsedRequest.tools` asks the app to parse calls; "none" renders the chat without them.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ class ParsedRequest:
     include_usage: bool
     enable_thinking: bool | None  # chat only; None for completions
     skip_special_tokens: bool
+    tools: list[dict] | None = None   # chat with tool_choice "auto": parse calls for these
 
 
 def check_model(body: Any, limits: ServerLimits) -> None:
@@ -79,7 +81,7 @@ def render_chat(req: ChatCompletionRequest, template: ChatTemplate) -> str:
     refuses the conversation, on 'chat_template_kwargs' when it refuses a variable)."""
     messages = [m.template_dict() for m in req.messages]
     try:
-        return template.render(messages, True, req.tools or None, req.chat_template_kwargs)
+        return template.render(messages, True, req.active_tools, req.chat_template_kwargs)
     except TemplateVariableError as e:
         raise APIError(f"'chat_template_kwargs': {e}", "chat_template_kwargs") from None
     except ChatTemplateError as e:
@@ -95,7 +97,7 @@ def parse_chat(body: Any, limits: ServerLimits, tokenizer,
     params = sampling_params(req, len(ids), limits, field, max_tokens, None, "messages",
                              tokenizer.stop_ids())
     return ParsedRequest(ids, params, req.stop, req.stream, req.include_usage,
-                         req.enable_thinking, req.skip_special_tokens)
+                         req.enable_thinking, req.skip_special_tokens, req.active_tools)
 
 
 def parse_completion(body: Any, limits: ServerLimits, tokenizer) -> ParsedRequest:

@@ -3,8 +3,9 @@
 Why strict models: a client (an agent framework, most often) that sends a field this server
 does not implement must hear so, not get an answer that quietly ignored it. So every model
 forbids unknown fields, and the OpenAI fields the engine does not implement yet are either left
-out (a 400 "'tools' is not supported by this server") or declared with only their no-op value
-allowed (`n` = 1, penalties = 0, `logprobs` false), which clients often send explicitly.
+out (a 400 "'response_format' is not supported by this server") or declared with only their
+no-op value allowed (`n` = 1, penalties = 0, `logprobs` false), which clients often send
+explicitly; of tool calling, `tool_choice` "required" and named functions are refused.
 Validation is strict (no "1" -> 1, no true -> 1): a number is a JSON number.
 
 `validate_request(cls, body)` turns the first pydantic error into an `APIError` (HTTP 400) whose
@@ -127,6 +128,29 @@ class ChatMessage(_Strict):
         return self.model_dump(exclude_none=True)
 
 
+# -------------------------------------------------------------------------------------- tools
+class FunctionDefinition(_Strict):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None      # a JSON schema of an object
+    strict: bool | None = None
+
+    @field_validator("parameters", mode="after")
+    @classmethod
+    def an_object_schema(cls, v: dict | None) -> dict | None:
+        if v is not None and v.get("type", "object") != "object":
+            raise ValueError(f"parameters must be a JSON schema of type \"object\", got "
+                             f"type {_show(v.get('type'))}")
+        if v is not None and not isinstance(v.get("properties", {}), dict):
+            raise ValueError("parameters.properties must be an object")
+        return v
+
+
+class Tool(_Strict):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
 # ----------------------------------------------------------------------------------- requests
 class StreamOptions(_Strict):
     include_usage: bool = False
@@ -179,10 +203,27 @@ class ChatCompletionRequest(_Sampling):
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
     logprobs: Literal[False] | None = Field(None, description="false (logprobs are not "
                                                               "supported)")
-    tools: list[Any] | None = Field(None, max_length=0, description="empty (tool calling is "
-                                                                    "not supported yet)")
-    tool_choice: Literal["none"] | None = Field(None, description='"none" (tool calling is '
-                                                                  'not supported yet)')
+    # Tool calling (qwen3_coder XML, `tool_parser`): "auto" (the default) renders the tools and
+    # parses calls out of the output; "none" renders the chat without them (the model cannot
+    # call what it is not shown) and parses nothing. "required" and a named function need
+    # constrained decoding: refused.
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto"] | None = Field(None, description='"auto" or "none"')
+
+    @field_validator("tool_choice", mode="before")
+    @classmethod
+    def choice_is_free(cls, v: Any) -> Any:
+        if v == "required" or isinstance(v, dict):
+            raise ValueError(f"{_show(v)} needs constrained decoding, not supported yet "
+                             f"(\"auto\" or \"none\")")
+        return v
+
+    @property
+    def active_tools(self) -> list[dict] | None:
+        """The tools the template renders and the output is parsed for (None: no tools)."""
+        if not self.tools or self.tool_choice == "none":
+            return None
+        return [t.model_dump(exclude_none=True) for t in self.tools]
 
     @model_validator(mode="after")
     def one_max(self) -> "ChatCompletionRequest":
