@@ -1,10 +1,11 @@
 """`python -m experiments serve_bench [--concurrency=1,8,32] [--max_tokens=64] [serve flags]`
 
-Load test of the OpenAI-compatible server (`experiments/serve.py`): starts it as a subprocess
-on a free port with the given serve flags (`--serve_flags="--max_lanes=8 ..."`), waits until
-it is healthy, warms it (one round at the highest concurrency, unmeasured), then for each
-concurrency c runs `--rounds` x c streaming chat requests from c client threads (each client
-sends its next request when the previous one ends) and reports:
+Load test of the OpenAI-compatible server (`python -m experiments serve`, mtpjax/serving/):
+starts it as a subprocess on a free port with the given serve flags
+(`--serve_flags="--max_lanes=8 ..."`), waits until it is healthy, warms it (one round at the
+highest concurrency, unmeasured), then for each concurrency c runs `--rounds` x c streaming
+chat requests from c client threads (each client sends its next request when the previous one
+ends) and reports:
 
     requests/s = requests / wall time, tokens/s = completion tokens (usage) / wall time,
     mean time to first token, mean request latency
@@ -181,13 +182,12 @@ def run_level_clocked(engine, requests: list[list[tuple]]) -> dict:
 def level_requests(server, clients: int, rounds: int, max_tokens: int, seed0: int):
     """run_level's requests as the server parses them (chat template, sampling): client c's
     list of (prompt ids, SamplingParams)."""
-    from experiments import serve
     out = []
     for c in range(clients):
         reqs = []
         for r in range(rounds):
-            p = serve.parse_chat(request_body(server.limits.model, seed0 + c * rounds + r,
-                                              max_tokens), server.limits, server.tokenizer)
+            p = server.parse_chat(request_body(server.limits.model, seed0 + c * rounds + r,
+                                               max_tokens))
             reqs.append((p.prompt_ids, p.params))
         out.append(reqs)
     return out

@@ -414,7 +414,7 @@ class Engine:
         """Open a continuous session: `submit` adds requests at any time, each `step` runs one
         scheduler iteration (admission, at most one prefill chunk, one decode step) over
         everything submitted so far, `stop` ends the session. `generate` is start, submit
-        all, step until done, stop; an online server (mtpjax/online.py) keeps one session
+        all, step until done, stop; an online server (mtpjax/serving/online.py) keeps one session
         open and submits as requests arrive. on_token(request_id, new_ids) streams tokens.
         submit/step/stop must be called from one thread; `cancel` may come from any."""
         if self._sched is not None:

@@ -1,4 +1,4 @@
-"""The online engine (mtpjax/online.py): requests added from other threads while the loop
+"""The online engine (mtpjax/serving/online.py): requests added from other threads while the loop
 runs get exactly the tokens `Engine.generate` gives them; cancelled ones free their pages; stop
 strings cut the text exactly, streaming included; bad requests end with an error and leave the
 others alone. Also the text-level helpers the server uses: the stop-string cutter and the
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from mtpjax.engine import Engine
-from mtpjax.online import OnlineEngine, StopStringCutter
+from mtpjax.serving.online import OnlineEngine, StopStringCutter
 from mtpjax.sampling import SamplingParams
 from mtpjax.text import StreamDecoder, split_reasoning, ReasoningStream
 

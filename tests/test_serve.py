@@ -1,7 +1,10 @@
 """`python -m experiments serve` as a real server process on the tiny checkpoint, driven by the
 official `openai` client: concurrent streaming chats give exactly what `TextEngine` gives for
-the same seeds, stop strings cut exactly, a killed client's pages return, bad requests get 400
-with an OpenAI error body without disturbing a running stream, and /metrics parses.
+the same seeds (the checkpoint's chat template renders these chats as the hand-written ChatML
+does), stop strings cut exactly, a killed client's pages return, bad requests (unsupported
+fields included) get 400 with an OpenAI error body without disturbing a running stream, a chat
+with tool calls and tool responses in its history is served, and /metrics parses (as
+prometheus_client's own parser reads it, with counter and gauge types).
 
 The reference engine in this process has the server's settings (K = 1, fixed depth, 2 lanes,
 context 128) and computes while the server starts and compiles, so the two overlap.
@@ -23,9 +26,11 @@ import urllib.request
 
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from mtpjax.engine import Engine
 from mtpjax.sampling import SamplingParams
+from mtpjax.serving.chat_template import load_chat_template
 from mtpjax.text import TextEngine, Tokenizer
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -274,6 +279,19 @@ def test_bad_requests_get_openai_errors_and_leave_streams_alone(live, client, re
     error_of(*http(url, {"model": "tiny", "messages": [{"role": "bot", "content": "x"}]}), 400,
              "messages")
     error_of(*http(url, {"model": "tiny", "messages": msgs, "stop": [""]}), 400, "stop")
+    for field, value in [("response_format", {"type": "json_object"}), ("tool_choice", "required"),
+                         ("logprobs", True), ("presence_penalty", 0.5), ("top_logprobs", 2),
+                         ("made_up_field", 1)]:
+        e = error_of(*http(url, {"model": "tiny", "messages": msgs, field: value}), 400, field)
+        assert field in e["message"]
+    e = error_of(*http(url, {"model": "tiny", "messages": msgs, "temperature": "0.5"}), 400,
+                 "temperature")
+    assert "must be a number" in e["message"]
+    error_of(*http(url, {"model": "tiny", "messages": [
+        {"role": "user", "content": "x"}, {"role": "system", "content": "late"}]}), 400,
+        "messages")
+    error_of(*http(url, {"model": "tiny", "messages": msgs,
+                         "chat_template_kwargs": {"messages": []}}), 400, "chat_template_kwargs")
     e = error_of(*http(url, {"model": "tiny", "messages": [
         {"role": "user", "content": "word " * 200}]}), 400)
     assert e["code"] == "context_length_exceeded"
@@ -292,6 +310,49 @@ def test_bad_requests_get_openai_errors_and_leave_streams_alone(live, client, re
             finish = ch.finish_reason or finish
     assert "".join(pieces) == long_ref.text
     assert finish == long_ref.finish_reason
+
+
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}}}}
+
+
+def test_chat_with_tool_calls_in_its_history(client):
+    """Assistant tool_calls (arguments as a JSON string, as OpenAI sends them) and tool
+    responses render through the checkpoint's template; usage counts the rendered prompt."""
+    msgs = [{"role": "user", "content": "Weather?"},           # short: the context is 128
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": "a", "type": "function",
+                 "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+            {"role": "tool", "tool_call_id": "a", "content": "snow"}]
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, seed=1,
+                                       temperature=0.0)
+    assert r.choices[0].finish_reason in ("stop", "length")
+    parsed = [dict(m, tool_calls=[dict(c, function=dict(c["function"], arguments=json.loads(
+        c["function"]["arguments"]))) for c in m["tool_calls"]]) if "tool_calls" in m else m
+        for m in msgs]
+    prompt = load_chat_template(CKPT).render(parsed, True)
+    assert "<function=get_weather>\n<parameter=city>\nOslo\n</parameter>" in prompt
+    assert r.usage.prompt_tokens == len(Tokenizer.from_checkpoint(CKPT).encode(prompt))
+
+
+def test_tools_reach_the_template(live, client):
+    """With tools, tool_choice "auto" renders them (the tools' system turn does not fit this
+    server's 128-token context: a 400 that proves it was rendered); "none" leaves them out and
+    answers normally; "required" is refused by name. Parsing calls out of the output is
+    tests/test_serve_tools.py's (the tiny model's text is random)."""
+    url = live + "/v1/chat/completions"
+    msgs = [{"role": "user", "content": "Weather?"}]
+    e = error_of(*http(url, {"model": "tiny", "messages": msgs, "tools": [TOOL]}), 400,
+                 "messages")
+    assert e["code"] == "context_length_exceeded"
+    r = client.chat.completions.create(model="tiny", messages=msgs, tools=[TOOL],
+                                       tool_choice="none", max_tokens=4, seed=1)
+    assert r.choices[0].finish_reason in ("stop", "length") and not r.choices[0].message.tool_calls
+    plain = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, seed=1)
+    assert r.usage.prompt_tokens == plain.usage.prompt_tokens
+    e = error_of(*http(url, {"model": "tiny", "messages": msgs, "tools": [TOOL],
+                             "tool_choice": "required"}), 400, "tool_choice")
+    assert "constrained decoding" in e["message"]
 
 
 METRIC_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})? (\S+)$')
@@ -381,15 +442,26 @@ def test_killed_client_frees_its_pages(live):
 
 def test_metrics_parse_and_count(live, reference):
     samples, types = scrape(live)
+    status, text = http(live + "/metrics")
+    official = {f.name: f.type for f in text_string_to_metric_families(text)}
     for name, kind in [("mtpjax_requests_running", "gauge"), ("mtpjax_requests_waiting", "gauge"),
-                       ("mtpjax_prompt_tokens_total", "counter"),
-                       ("mtpjax_generation_tokens_total", "counter"),
+                       ("mtpjax_requests_finished", "counter"),
+                       ("mtpjax_prompt_tokens", "counter"),
+                       ("mtpjax_generation_tokens", "counter"),
                        ("mtpjax_tokens_per_verify_step", "gauge"),
-                       ("mtpjax_draft_accepted_total", "counter"),
+                       ("mtpjax_draft_accepted", "counter"),
                        ("mtpjax_iteration_seconds", "histogram"),
-                       ("mtpjax_kv_free_pages", "gauge"), ("mtpjax_preemptions_total", "counter"),
-                       ("mtpjax_prefix_cache_hits", "gauge")]:
-        assert types.get(name) == kind, name
+                       ("mtpjax_kv_free_pages", "gauge"), ("mtpjax_preemptions", "counter"),
+                       ("mtpjax_decode_steps", "counter"),
+                       ("mtpjax_prefix_cache_lookups", "counter"),
+                       ("mtpjax_prefix_cache_hits", "counter"),
+                       ("mtpjax_prefix_cache_evicted", "counter"),
+                       ("mtpjax_prefix_cache_tokens_reused", "counter"),
+                       ("mtpjax_prefix_cache_snapshots", "gauge")]:
+        assert official.get(name) == kind, name
+        text_name = name + "_total" if kind == "counter" else name       # 0.0.4 TYPE lines
+        assert types.get(text_name) == kind, name
+    assert metric(samples, "mtpjax_prefix_cache_lookups_total") >= N_CHATS
     assert metric(samples, "mtpjax_requests_finished_total", finish_reason="length") >= sum(
         o.finish_reason == "length" for o in reference[0])
     assert metric(samples, "mtpjax_generation_tokens_total") >= sum(

@@ -1,6 +1,6 @@
 """Engine sessions (start / submit / step / stop): requests submitted while others run get
 the tokens `generate` gives them, invalid ones end at once with an error, stop() frees every
-page. The online server (mtpjax/online.py) is built on this."""
+page. The online server (mtpjax/serving/online.py) is built on this."""
 
 import numpy as np
 import pytest

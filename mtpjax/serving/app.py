@@ -1,0 +1,366 @@
+"""The OpenAI-compatible HTTP app (FastAPI) on one continuously running engine (`online`), and
+`load_server`, which builds the engine, tokenizer and chat template from a `ServerConfig`.
+
+Routes: `POST /v1/chat/completions` and `POST /v1/completions` (streaming with SSE, or not),
+`GET /v1/models`, `GET /health`, `GET /metrics` (prometheus_client; `metrics`).
+
+Request flow:
+  1. read the JSON body and parse it (`parsing`: pydantic models, the checkpoint's chat
+     template, context checks); any problem -> HTTP 400 with an OpenAI-style body
+     {"error": {"message", "type", "param", "code"}}, an unknown model -> 404;
+  2. `OnlineEngine.add` and wait until the engine took it (its own checks, e.g. prompt too long,
+     -> 400 before any byte of the response is sent);
+  3. stream `Delta`s as SSE chunks or collect them; chat output goes through the reasoning
+     split (`<think>...</think>` -> `reasoning_content`, as vLLM's qwen3 parser), then, for a
+     request with tools (tool_choice "auto"), the tool-call parser (`tool_parser`: qwen3_coder
+     XML -> `tool_calls`, finish_reason "tool_calls");
+  4. a client that disconnects cancels its request: its pages return at the next engine step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import os
+import secrets
+import time
+from typing import Any, AsyncIterator, Callable
+
+from fastapi import Request   # at module level: FastAPI resolves the handlers' annotations here
+
+from mtpjax.serving import metrics as metrics_lib
+from mtpjax.serving.chat_template import ChatTemplate, load_chat_template
+from mtpjax.serving.online import OnlineEngine, RequestHandle
+from mtpjax.serving.parsing import ParsedRequest, ServerLimits, parse_chat, parse_completion
+from mtpjax.serving.protocol import APIError
+from mtpjax.serving.tool_parser import ToolCallStream, parse_tool_calls
+
+FINISH = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "error"}
+
+
+# ------------------------------------------------------------------------ responses
+def usage(out) -> dict:
+    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
+            "total_tokens": out.prompt_tokens + out.completion_tokens}
+
+
+def chat_message(text: str, thinking: bool, tools: list[dict] | None = None) -> dict:
+    """The assistant message of a generated text: the reasoning split first, then (with tools)
+    the tool calls out of the content (`tool_parser`)."""
+    from mtpjax.text import split_reasoning
+    reasoning, content = split_reasoning(text, thinking)
+    msg = {"role": "assistant", "content": content}
+    if thinking:
+        msg["reasoning_content"] = reasoning
+    if tools:
+        msg["content"], calls = parse_tool_calls(content or "", tools)
+        if calls:
+            msg["tool_calls"] = calls
+    return msg
+
+
+def finish_reason(out, called: bool) -> str:
+    """OpenAI's finish_reason; "tool_calls" when the output called a tool (as vLLM: also when
+    it ran into max_tokens after the call)."""
+    if called and out.finish_reason in ("stop", "length"):
+        return "tool_calls"
+    return FINISH[out.finish_reason]
+
+
+def sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def _engine_error(out) -> APIError:
+    return APIError(out.error or "engine error", status=500, type="server_error")
+
+
+async def chat_chunks(handle: RequestHandle, req: ParsedRequest,
+                      head: dict) -> AsyncIterator[str]:
+    """The SSE events of a streamed chat: a role chunk, reasoning/content/tool-call deltas, the
+    finish chunk, usage (when asked), [DONE]. Content goes through the reasoning split, then
+    (with tools) through the tool-call stream."""
+    from mtpjax.text import ReasoningStream
+    split = ReasoningStream(req.enable_thinking)
+    calls = ToolCallStream(req.tools) if req.tools else None
+
+    def chunk(delta, finish=None):
+        return sse({**head, "object": "chat.completion.chunk",
+                    "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                                 "finish_reason": finish}]})
+
+    def delta_of(reasoning, content, flush=False):
+        tool_calls = []
+        if calls is not None:
+            content, tool_calls = calls.push(content)
+            if flush:
+                more, more_calls = calls.flush()
+                content, tool_calls = content + more, tool_calls + more_calls
+        d = {}
+        if reasoning:
+            d["reasoning_content"] = reasoning
+        if content:
+            d["content"] = content
+        if tool_calls:
+            d["tool_calls"] = tool_calls
+        return d
+
+    yield chunk({"role": "assistant", "content": ""})
+    async for d in handle:
+        piece = delta_of(*split.push(d.text))
+        if piece:
+            yield chunk(piece)
+    piece = delta_of(*split.flush(), flush=True)
+    if piece:
+        yield chunk(piece)
+    out = handle.output
+    if out.finish_reason == "error":
+        yield sse(_engine_error(out).body())
+    else:
+        yield chunk({}, finish_reason(out, calls is not None and calls.num_calls > 0))
+        if req.include_usage:
+            yield sse({**head, "object": "chat.completion.chunk", "choices": [],
+                       "usage": usage(out)})
+    yield "data: [DONE]\n\n"
+
+
+async def completion_chunks(handle: RequestHandle, req: ParsedRequest,
+                            head: dict) -> AsyncIterator[str]:
+    def chunk(text, finish=None):
+        return sse({**head, "object": "text_completion",
+                    "choices": [{"index": 0, "text": text, "logprobs": None,
+                                 "finish_reason": finish}]})
+
+    async for d in handle:
+        if d.text:
+            yield chunk(d.text)
+    out = handle.output
+    if out.finish_reason == "error":
+        yield sse(_engine_error(out).body())
+    else:
+        yield chunk("", FINISH[out.finish_reason])
+        if req.include_usage:
+            yield sse({**head, "object": "text_completion", "choices": [], "usage": usage(out)})
+    yield "data: [DONE]\n\n"
+
+
+def final_body(kind: str, out, req: ParsedRequest, head: dict) -> dict:
+    """The JSON body of a finished non-streamed request."""
+    if kind == "chat":
+        msg = chat_message(out.text, req.enable_thinking, req.tools)
+        choice = {"index": 0, "message": msg, "logprobs": None,
+                  "finish_reason": finish_reason(out, "tool_calls" in msg)}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": out.text, "logprobs": None,
+                  "finish_reason": FINISH[out.finish_reason]}
+        obj = "text_completion"
+    return {**head, "object": obj, "choices": [choice], "usage": usage(out)}
+
+
+# ------------------------------------------------------------------------------- app
+@dataclasses.dataclass
+class Server:
+    online: Any                 # OnlineEngine (started)
+    tokenizer: Any              # text.Tokenizer
+    limits: ServerLimits
+    template: ChatTemplate = dataclasses.field(default_factory=ChatTemplate)
+    created: int = dataclasses.field(default_factory=lambda: int(time.time()))
+
+    def parse_chat(self, body: Any) -> ParsedRequest:
+        return parse_chat(body, self.limits, self.tokenizer, self.template)
+
+    def parse_completion(self, body: Any) -> ParsedRequest:
+        return parse_completion(body, self.limits, self.tokenizer)
+
+
+async def _json_body(request: Request) -> Any:
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise APIError(f"the request body is not valid JSON: {e}", code="invalid_json")
+
+
+async def _started(online: OnlineEngine, req: ParsedRequest) -> RequestHandle:
+    """Hand the request to the engine and wait until it took it (its refusal -> 400)."""
+    if not online.alive:
+        raise APIError("the engine is not running", status=503, type="server_error")
+    handle = online.add(req.prompt_ids, req.params, stop=req.stop,
+                        skip_special_tokens=req.skip_special_tokens)
+    rejected = await handle.wait_queued()
+    if rejected is not None:
+        msg = rejected.error or "rejected"
+        code = "context_length_exceeded" if msg.startswith("prompt too long") else None
+        raise APIError(msg, None, code)
+    return handle
+
+
+async def _finished(request: Request, handle: RequestHandle):
+    """The final output, or None when the client went away (the request is cancelled)."""
+    waiter = asyncio.ensure_future(handle.aresult())
+    try:
+        while True:
+            done, _ = await asyncio.wait({waiter}, timeout=0.25)
+            if done:
+                return waiter.result()
+            if await request.is_disconnected():
+                handle.cancel()
+                return None
+    finally:
+        if not waiter.done():
+            waiter.cancel()
+        if not handle.done:
+            handle.cancel()
+
+
+def _streaming(request: Request, events: AsyncIterator[str], handle: RequestHandle):
+    from fastapi.responses import StreamingResponse
+
+    async def watch():
+        """A client that leaves while its request waits or is between tokens is noticed
+        here; one that leaves mid-write, by the write failing."""
+        while not handle.done:
+            if await request.is_disconnected():
+                handle.cancel()
+                return
+            await asyncio.sleep(0.2)
+
+    async def wrapped():
+        watcher = asyncio.ensure_future(watch())
+        try:
+            async for piece in events:
+                yield piece
+        finally:                        # done, or the client is gone
+            watcher.cancel()
+            if not handle.done:
+                handle.cancel()
+    return StreamingResponse(wrapped(), media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache"})
+
+
+def build_app(server: Server):
+    """The FastAPI app around a started OnlineEngine."""
+    from fastapi import FastAPI
+    from fastapi.responses import JSONResponse, Response
+    from starlette.exceptions import HTTPException as StarletteHTTPException
+
+    app = FastAPI(title="mtpjax", docs_url=None, redoc_url=None, openapi_url=None)
+    limits, online = server.limits, server.online
+    registry = metrics_lib.make_registry(online.stats, limits.model)
+
+    def error(e: APIError):
+        return JSONResponse(e.body(), status_code=e.status)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, exc):
+        return error(APIError(str(exc.detail), code=None, status=exc.status_code,
+                              type="invalid_request_error" if exc.status_code < 500
+                              else "server_error"))
+
+    async def run(request: Request, parse: Callable[[Any], ParsedRequest], kind: str):
+        try:
+            req = parse(await _json_body(request))
+            handle = await _started(online, req)
+        except APIError as e:
+            return error(e)
+        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{handle.id:06d}{secrets.token_hex(6)}"
+        head = {"id": rid, "created": int(time.time()), "model": limits.model}
+        if req.stream:
+            events = (chat_chunks if kind == "chat" else completion_chunks)(handle, req, head)
+            return _streaming(request, events, handle)
+        out = await _finished(request, handle)
+        if out is None:
+            return JSONResponse({}, status_code=499)
+        if out.finish_reason == "error":
+            return error(_engine_error(out))
+        return JSONResponse(final_body(kind, out, req, head))
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        return await run(request, server.parse_chat, "chat")
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        return await run(request, server.parse_completion, "completion")
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": limits.model, "object": "model",
+                                            "created": server.created, "owned_by": "mtpjax",
+                                            "max_model_len": limits.max_seq_len}]}
+
+    @app.get("/health")
+    async def health():
+        ok = online.alive
+        return JSONResponse({"status": "ok" if ok else "engine stopped"},
+                            status_code=200 if ok else 503)
+
+    @app.get("/metrics")
+    async def metrics(request: Request):
+        body, content_type = metrics_lib.render(registry, request.headers.get("accept"))
+        return Response(body, media_type=content_type)
+
+    return app
+
+
+# -------------------------------------------------------------------------- loading
+@dataclasses.dataclass(frozen=True)
+class ServerConfig:
+    """Everything `load_server` needs (experiments/serve.py fills it from its flags)."""
+    checkpoint: str = "checkpoints/tiny"
+    served_model_name: str | None = None    # default: the checkpoint folder's name
+    num_speculative_tokens: int = 4
+    adaptive: bool = True
+    max_lanes: int = 8
+    max_seq_len: int = 1024
+    prefill_chunk: int = 64
+    prefill_buckets: tuple[int, ...] | None = None
+    page_size: int = 16
+    num_pages: int = 0                      # 0 = every lane at full context
+    prefix_cache: bool = True
+    dtype: str = "float32"
+    kernels: str | None = None
+    tp: int = 1
+    dp: int = 1
+    weights: str = "auto"
+    mtp_weights: str = "auto"
+    warmup: bool = True
+
+
+def load_server(cfg: ServerConfig, warmup: Callable[[Any], None] | None = None) -> Server:
+    """Tokenizer, chat template, engine and a started OnlineEngine. warmup(engine), when
+    cfg.warmup, compiles before serving (default: `Engine.warmup()` without progress lines).
+    Problems with the checkpoint or the config raise SystemExit with a message."""
+    import mtpjax
+    from mtpjax.serving.chat_template import ChatTemplateError
+    from mtpjax.text import Tokenizer
+
+    path = cfg.checkpoint
+    if not os.path.isdir(path):
+        raise SystemExit(f"checkpoint folder not found: {path}; pass --checkpoint=DIR")
+    if cfg.dp != 1:
+        raise SystemExit("serve runs one engine (--dp=1); use --tp to split a model")
+    try:
+        tok = Tokenizer.from_checkpoint(path)
+        template = load_chat_template(path)
+    except (FileNotFoundError, ValueError, ChatTemplateError) as e:
+        raise SystemExit(str(e))
+    model_cfg = mtpjax.Config.from_pretrained(path)
+    if tok.vocab_size > model_cfg.vocab_size:
+        raise SystemExit(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
+                         f"{model_cfg.vocab_size}")
+    max_seq_len = max(2, min(cfg.max_seq_len, model_cfg.max_position_embeddings))
+    engine = mtpjax.Engine.from_checkpoint(
+        path, cfg.dtype, cfg.num_speculative_tokens, tp=cfg.tp, max_lanes=cfg.max_lanes,
+        max_seq_len=max_seq_len, prefill_chunk=cfg.prefill_chunk, page_size=cfg.page_size,
+        prefill_buckets=list(cfg.prefill_buckets) if cfg.prefill_buckets else None,
+        num_pages=cfg.num_pages or None, kernels=cfg.kernels, weights=cfg.weights,
+        mtp_weights=cfg.mtp_weights, prefix_cache=cfg.prefix_cache,
+        speculation_policy="adaptive" if cfg.adaptive else "fixed")
+    if cfg.warmup:
+        (warmup or (lambda e: e.warmup()))(engine)
+    name = cfg.served_model_name or os.path.basename(os.path.normpath(path))
+    online = OnlineEngine(engine, tok).start()
+    return Server(online, tok, ServerLimits(name, model_cfg.vocab_size, max_seq_len), template)

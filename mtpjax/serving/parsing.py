@@ -1,0 +1,120 @@
+"""A request body -> what the engine runs: prompt ids, `SamplingParams`, stop strings.
+
+Pure functions of (body, limits, tokenizer, chat template); every problem is an `APIError`
+(400 naming the field, 404 for an unknown model) raised before the engine sees the request.
+The order: the model name (404 first, as OpenAI and vLLM answer), the body's shape and values
+(`protocol`), the chat rendered with the checkpoint's template (`chat_template`), then the
+checks that need the engine's sizes: token ids inside the vocabulary, prompt + max_tokens
+inside the context.
+
+Sampling defaults: temperature 1.0, top_p 1.0, top_k off (-1 or 0), seed random (a request
+with a seed gets the tokens `TextEngine` gives the same prompt and seed), max_tokens the rest
+of the context for chat and 16 for completions. Chat stops on the tokenizer's `<|im_end|>` /
+`<|endoftext|>` as well. Tools: with tool_choice "auto" (the default) the template renders them
+and `ParsedRequest.tools` asks the app to parse calls; "none" renders the chat without them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import secrets
+from typing import Any
+
+from mtpjax.sampling import SamplingParams
+from mtpjax.serving.chat_template import ChatTemplate, ChatTemplateError, \
+    TemplateVariableError
+from mtpjax.serving.protocol import APIError, ChatCompletionRequest, CompletionRequest, \
+    validate_request
+
+
+@dataclasses.dataclass(frozen=True)
+class ServerLimits:
+    """What request checks need to know about the engine."""
+    model: str
+    vocab_size: int
+    max_seq_len: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ParsedRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    enable_thinking: bool | None  # chat only; None for completions
+    skip_special_tokens: bool
+    tools: list[dict] | None = None   # chat with tool_choice "auto": parse calls for these
+
+
+def check_model(body: Any, limits: ServerLimits) -> None:
+    """404 for a model this server does not serve (a missing model is the 400 of protocol)."""
+    model = body.get("model") if isinstance(body, dict) else None
+    if isinstance(model, str) and model and model != limits.model:
+        raise APIError(f"The model '{model}' does not exist; this server serves "
+                       f"'{limits.model}'", "model", "model_not_found", status=404)
+
+
+def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: int,
+                    limits: ServerLimits, max_field: str, max_tokens: int | None,
+                    default_max: int | None, prompt_field: str,
+                    stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+    """SamplingParams of a validated request. max_tokens: what the client asked for (None:
+    default_max, capped by the context; None again: the rest of the context)."""
+    room = limits.max_seq_len - prompt_len
+    if room < 1:
+        raise APIError(f"This model's maximum context length is {limits.max_seq_len} tokens; "
+                       f"the prompt has {prompt_len}", prompt_field, "context_length_exceeded")
+    if max_tokens is not None and max_tokens > room:
+        raise APIError(f"This model's maximum context length is {limits.max_seq_len} tokens; "
+                       f"the prompt has {prompt_len} and {max_field} = {max_tokens} asks for "
+                       f"{prompt_len + max_tokens}", max_field, "context_length_exceeded")
+    return SamplingParams(temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
+                          max_new_tokens=max_tokens if max_tokens is not None else
+                          room if default_max is None else min(default_max, room),
+                          seed=secrets.randbits(32) if req.seed is None else req.seed,
+                          stop_token_ids=stop_token_ids)
+
+
+def render_chat(req: ChatCompletionRequest, template: ChatTemplate) -> str:
+    """The prompt text of a validated chat request (400 on 'messages' when the template
+    refuses the conversation, on 'chat_template_kwargs' when it refuses a variable)."""
+    messages = [m.template_dict() for m in req.messages]
+    try:
+        return template.render(messages, True, req.active_tools, req.chat_template_kwargs)
+    except TemplateVariableError as e:
+        raise APIError(f"'chat_template_kwargs': {e}", "chat_template_kwargs") from None
+    except ChatTemplateError as e:
+        raise APIError(f"'messages': the chat template refused them: {e}", "messages") from None
+
+
+def parse_chat(body: Any, limits: ServerLimits, tokenizer,
+               template: ChatTemplate) -> ParsedRequest:
+    check_model(body, limits)
+    req = validate_request(ChatCompletionRequest, body)
+    ids = tokenizer.encode(render_chat(req, template))
+    field, max_tokens = req.max_new_tokens
+    params = sampling_params(req, len(ids), limits, field, max_tokens, None, "messages",
+                             tokenizer.stop_ids())
+    return ParsedRequest(ids, params, req.stop, req.stream, req.include_usage,
+                         req.enable_thinking, req.skip_special_tokens, req.active_tools)
+
+
+def parse_completion(body: Any, limits: ServerLimits, tokenizer) -> ParsedRequest:
+    check_model(body, limits)
+    req = validate_request(CompletionRequest, body)
+    if isinstance(req.prompt, str):
+        ids = tokenizer.encode(req.prompt)
+    else:
+        ids = list(req.prompt)
+        bad = [t for t in ids if not 0 <= t < limits.vocab_size]
+        if bad:
+            raise APIError(f"token id {bad[0]} in 'prompt' is outside the vocabulary "
+                           f"[0, {limits.vocab_size})", "prompt")
+    if not ids:
+        raise APIError("'prompt' encodes to no tokens", "prompt")
+    asked = req.max_tokens if "max_tokens" in req.model_fields_set else None
+    params = sampling_params(req, len(ids), limits, "max_tokens", asked, req.max_tokens,
+                             "prompt")
+    return ParsedRequest(ids, params, req.stop, req.stream, req.include_usage, None,
+                         req.skip_special_tokens)

@@ -1,0 +1,209 @@
+"""Tool calls out of generated text, in Qwen3.5's qwen3_coder XML format (the format the
+checkpoint's chat template renders and asks for):
+
+    <tool_call>
+    <function=NAME>
+    <parameter=P>
+    VALUE
+    </parameter>
+    </function>
+    </tool_call>
+
+The rule, shared by `parse_tool_calls` (a whole text) and `ToolCallStream` (text deltas):
+
+* a block is the text from `<tool_call>` to the next `</tool_call>`; it is a call when it holds
+  exactly one `<function=NAME>...</function>` (whitespace around it only) with NAME one of the
+  request's tools, and nothing but `<parameter=P>...</parameter>` elements (and whitespace)
+  inside the function. Any other block (unknown name, garbage, no `</tool_call>` before the
+  text ends) stays in the content as written: the parser never raises;
+* a parameter value loses one leading and one trailing newline (the template writes them) and
+  is converted by its JSON schema type: "string" (or no type, or a parameter the schema does
+  not name) stays a string; integer, number, boolean, object, array go through `json.loads`,
+  falling back to the raw string; "null" is None for a non-string type. `arguments` is the
+  JSON object of the parameters, in order (a repeated name: the last value wins);
+* content is the text outside the calls, with the whitespace that separates text from a call
+  dropped (the segment before a call loses its trailing whitespace, the segment after it its
+  leading whitespace) -- vLLM's qwen3_coder parser strips the same way; text without calls is
+  returned unchanged. Empty content is None.
+
+The stream holds back what is not decided yet: text that may be the start of `<tool_call>`,
+trailing whitespace that may precede a call, and a whole block until its `</tool_call>`. A
+call is emitted when its block closes: one delta with index, id, type and function.name
+(arguments ""), then one delta with the arguments. So the concatenated deltas of any split of
+a text equal `parse_tool_calls` of the whole text (call ids aside).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import secrets
+from typing import Any, Iterable
+
+START, END = "<tool_call>", "</tool_call>"
+_FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.S)
+_PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+_JSON_TYPES = frozenset({"integer", "number", "boolean", "object", "array", "null"})
+
+
+def new_call_id() -> str:
+    return "call_" + secrets.token_hex(12)
+
+
+def tool_schemas(tools: Iterable[dict] | None) -> dict[str, dict]:
+    """{function name: its parameters schema} of OpenAI tool dicts."""
+    out = {}
+    for t in tools or ():
+        fn = t["function"]
+        out[fn["name"]] = fn.get("parameters") or {}
+    return out
+
+
+def _types(schema: Any) -> set[str]:
+    t = schema.get("type") if isinstance(schema, dict) else None
+    if isinstance(t, str):
+        return {t}
+    if isinstance(t, list):
+        return {x for x in t if isinstance(x, str)}
+    return set()
+
+
+def convert_value(raw: str, schema: Any) -> Any:
+    """A parameter's text as its schema type says (see the module docstring)."""
+    types = _types(schema)
+    if not types & _JSON_TYPES or "string" in types:
+        return raw
+    s = raw.strip()
+    if s.lower() == "null":
+        return None
+    if "boolean" in types and s.lower() in ("true", "false"):
+        return s.lower() == "true"
+    try:
+        return json.loads(s)
+    except (json.JSONDecodeError, ValueError, RecursionError):
+        return raw
+
+
+def parse_block(inner: str, schemas: dict[str, dict]) -> tuple[str, str] | None:
+    """(name, arguments JSON) of the text between <tool_call> and </tool_call>, or None when
+    it is not a call of one of the tools."""
+    m = _FUNCTION.fullmatch(inner)
+    if m is None or m.group(1) not in schemas:
+        return None
+    name, body = m.group(1), m.group(2)
+    if _PARAMETER.sub("", body).strip():          # garbage (or a second function) inside
+        return None
+    props = schemas[name].get("properties") if isinstance(schemas[name], dict) else None
+    props = props if isinstance(props, dict) else {}
+    args = {}
+    for p, raw in _PARAMETER.findall(body):
+        raw = raw.removeprefix("\n").removesuffix("\n")
+        args[p] = convert_value(raw, props.get(p))
+    return name, json.dumps(args, ensure_ascii=False)
+
+
+def _call(name: str, arguments: str, call_id: str) -> dict:
+    return {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": arguments}}
+
+
+def parse_tool_calls(text: str, tools: Iterable[dict] | None) -> tuple[str | None, list[dict]]:
+    """(content or None, calls) of a whole generated text; calls are OpenAI tool_calls
+    entries {id, type: "function", function: {name, arguments: JSON string}}."""
+    schemas = tool_schemas(tools)
+    content, calls, seg, pos, after_call = "", [], "", 0, False
+
+    def close_segment(seg: str, before_call: bool) -> str:
+        if after_call:
+            seg = seg.lstrip()
+        return seg.rstrip() if before_call else seg
+
+    while True:
+        i = text.find(START, pos)
+        j = text.find(END, i + len(START)) if i >= 0 else -1
+        if j < 0:                                      # no (closed) block left
+            content += close_segment(seg + text[pos:], False)
+            break
+        call = parse_block(text[i + len(START):j], schemas)
+        seg += text[pos:i]
+        if call is None:
+            seg += text[i:j + len(END)]
+        else:
+            content += close_segment(seg, True)
+            calls.append(_call(*call, new_call_id()))
+            seg, after_call = "", True
+        pos = j + len(END)
+    return content or None, calls
+
+
+def _partial_start(s: str) -> int:
+    """Length of the longest suffix of s that is a proper prefix of START."""
+    for k in range(min(len(s), len(START) - 1), 0, -1):
+        if START.startswith(s[-k:]):
+            return k
+    return 0
+
+
+@dataclasses.dataclass
+class ToolCallStream:
+    """Streaming `parse_tool_calls`: `push(text)` and, at the end, `flush()` return
+    (content delta, OpenAI tool_calls delta entries) that became final."""
+    tools: dataclasses.InitVar[Iterable[dict] | None]
+    schemas: dict = dataclasses.field(init=False)
+    num_calls: int = 0
+    _buf: str = ""
+    _in_block: bool = False
+    _after_call: bool = False      # no non-whitespace content since the last call
+    _ws: str = ""                  # trailing whitespace held: it is dropped before a call
+
+    def __post_init__(self, tools):
+        self.schemas = tool_schemas(tools)
+
+    def _outside(self, s: str) -> str:
+        """Content text s (outside calls) -> what can be released now."""
+        if self._after_call:
+            s = s.lstrip()
+            if not s:
+                return ""
+            self._after_call = False
+        s = self._ws + s
+        body = s.rstrip()
+        self._ws = s[len(body):]
+        return body
+
+    def push(self, piece: str) -> tuple[str, list[dict]]:
+        self._buf += piece
+        content, deltas = "", []
+        while True:
+            if not self._in_block:
+                i = self._buf.find(START)
+                if i < 0:
+                    keep = _partial_start(self._buf)
+                    content += self._outside(self._buf[:len(self._buf) - keep])
+                    self._buf = self._buf[len(self._buf) - keep:]
+                    return content, deltas
+                content += self._outside(self._buf[:i])
+                self._buf, self._in_block = self._buf[i:], True
+            j = self._buf.find(END, len(START))
+            if j < 0:
+                return content, deltas
+            block, self._buf = self._buf[:j + len(END)], self._buf[j + len(END):]
+            self._in_block = False
+            call = parse_block(block[len(START):-len(END)], self.schemas)
+            if call is None:
+                content += self._outside(block)
+                continue
+            name, arguments = call
+            self._ws, self._after_call = "", True
+            deltas.append({"index": self.num_calls, "id": new_call_id(), "type": "function",
+                           "function": {"name": name, "arguments": ""}})
+            deltas.append({"index": self.num_calls, "function": {"arguments": arguments}})
+            self.num_calls += 1
+
+    def flush(self) -> tuple[str, list[dict]]:
+        """The held text at the end of the output (an unclosed block stays content)."""
+        rest, self._buf, self._in_block = self._buf, "", False
+        content = self._outside(rest) + self._ws
+        self._ws = ""
+        return content, []
