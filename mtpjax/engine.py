@@ -70,6 +70,7 @@ import numpy as np
 
 from jax.sharding import NamedSharding, PartitionSpec
 
+from mtpjax import draft_vocab as draft_vocab_lib
 from mtpjax import model, quant, snapshots, steps, tensor_parallel
 from mtpjax.config import Config
 from mtpjax.depth import AdaptiveDepth
@@ -178,6 +179,13 @@ class Engine:
       every lane slot at full context (lane_slots x pages_per_lane), the pool that engines of
       one lane_slots share whatever their max_lanes and num_pages (the judge's engines).
 
+    draft_vocab: None (default: drafts take the argmax over the whole vocabulary) or the
+      draft vocabulary (mtpjax/draft_vocab.py: token ids, or a DraftVocab / its path; a size
+      N is resolved by from_checkpoint against the list beside the checkpoint): the MTP
+      drafts over those lm_head rows only, gathered here into params.draft. Verification is
+      unchanged, so outputs are too; a draft is cheaper (N x H read, not V x H) and accepted
+      a little less often.
+
     clock: None (default: wall time, as measured) or a cost_model.VirtualClock whose model has
       this engine's K and page size: time is then the modelled H200's (module docstring).
       timing["step_s"] and timing["prefill_s"] then hold modelled seconds, timing["host_s"]
@@ -195,7 +203,7 @@ class Engine:
                  snapshot_every_blocks: int = 4, depth0_fills_mtp_kv: bool = False,
                  lane_slots: int | None = None, lane_buckets: Sequence[int] | None = None,
                  pool_pages: int | None = None, clock=None, mixed_max_depth: int | None = None,
-                 ride_buckets: Sequence[int] | None = None):
+                 ride_buckets: Sequence[int] | None = None, draft_vocab=None):
         k = int(num_speculative_tokens)
         if k < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
@@ -230,9 +238,16 @@ class Engine:
             raise ValueError(f"tp={tp} but the given mesh has {tensor_parallel.mesh_tp(mesh)} "
                              "devices on its tp axis")
         elif not quant.has_fp8(params):
-            _check_placed(cfg, params, mesh)
+            _check_placed(cfg, dataclasses.replace(params, draft=None), mesh)
         tensor_parallel.check_tp(cfg, tensor_parallel.mesh_tp(mesh))
         self.mesh, self.tp = mesh, tensor_parallel.mesh_tp(mesh)
+        self.draft_ids = draft_vocab_lib.resolve(draft_vocab, cfg.vocab_size)
+        if self.draft_ids is not None and k == 0:
+            raise ValueError("draft_vocab needs num_speculative_tokens > 0 (a stock engine "
+                             "drafts nothing)")
+        params = dataclasses.replace(params, draft=None if self.draft_ids is None else
+                                     draft_vocab_lib.build_head(params, self.draft_ids,
+                                                                self.tp, mesh))
         self.cfg, self.params, self.k = cfg, params, k
         self.depth0_fills_mtp_kv = bool(depth0_fills_mtp_kv)
         self.max_lanes, self.max_seq_len, self.kernels = max_lanes, max_seq_len, kernels
@@ -341,8 +356,13 @@ class Engine:
         weights: "auto" (as stored: an FP8 checkpoint loads FP8), "fp8" (quantize the linears
         block-wise at load time) or "dense"; mtp_weights: the MTP head's, "auto" = as stored,
         dense when weights="fp8" (see mtpjax/quant.py).
+        draft_vocab (in kw): a size N or a share of the vocabulary (the most frequent ids of
+        the `draft_vocab.json` beside the checkpoint), a path to such a list, or token ids.
         """
         from mtpjax.api import load_checkpoint
+        if kw.get("draft_vocab") is not None:   # a size or share: the list beside the checkpoint
+            kw["draft_vocab"] = draft_vocab_lib.resolve(
+                kw["draft_vocab"], _peek_config(path).vocab_size, path)
         meshes = tensor_parallel.make_meshes(tp, dp, devices)
         if meshes == [None]:
             cfg, params = load_checkpoint(path, dtype, None, weights, mtp_weights)
@@ -720,7 +740,8 @@ class Engine:
         snap = key[0].startswith("snapshot") and self.prefix is not None
         return (self.cfg, self.k, self.kernels, str(self.dtype), self.lane_slots,
                 self.pool_pages, self.page_size, self.pages_per_lane, self.depth0_fills_mtp_kv,
-                self.mesh, self.prefix.num_slots if snap else None)
+                self.mesh, self.prefix.num_slots if snap else None,
+                None if self.draft_ids is None else len(self.draft_ids))
 
     def warmup(self, depths: Sequence[int] | None = None, lanes: int | None = None,
                progress: Callable[[tuple, float], None] | None = None) -> int:

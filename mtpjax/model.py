@@ -663,6 +663,31 @@ def argmax_tokens(cfg: Config, params: Params, h):
     return jnp.take_along_axis(where, shard[None], axis=0)[0].astype(jnp.int32)
 
 
+def draft_tokens(cfg: Config, params: Params, h):
+    """A draft's token i32[...] from the MTP's post-norm hidden h [..., H]: the first argmax
+    over the draft vocabulary's rows (params.draft, N x H read instead of the V x H lm_head)
+    or, without one, over the whole vocabulary (argmax_tokens). Drafts only propose:
+    verification samples from the target's full logits, so the draft vocabulary changes
+    acceptance, never the output. With every id in the head (ascending) the token is
+    argmax_tokens' exactly (same first argmax).
+
+    Under tensor parallelism each shard holds a block of the head's rows and their ids: its
+    max and that row's id are all-gathered ([tp, ...] pairs) and the first shard holding the
+    global max wins, as in argmax_tokens (blocks are in ascending id order)."""
+    d = params.draft
+    if d is None:
+        return argmax_tokens(cfg, params, h)
+    logits = jnp.einsum("...i,ni->...n", h, d.weight, preferred_element_type=jnp.float32)
+    logits = jnp.where(d.ids >= 0, logits, -jnp.inf)                  # padding rows
+    tok = d.ids[jnp.argmax(logits, axis=-1)].astype(jnp.int32)
+    if cfg.tp_axis is None:
+        return tok
+    best = lax.all_gather(jnp.max(logits, axis=-1), cfg.tp_axis)       # [tp, ...]
+    toks = lax.all_gather(tok, cfg.tp_axis)
+    shard = jnp.argmax(best, axis=0)
+    return jnp.take_along_axis(toks, shard[None], axis=0)[0]
+
+
 def mtp_forward(cfg: Config, params: Params, cache: Cache, h_prev, next_tokens, seg: Segment,
                 kernels: str = "reference"):
     """One MTP pass over aligned pairs (spec §5.1-5.2).

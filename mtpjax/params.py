@@ -98,12 +98,24 @@ class MtpParams:
 
 
 @_pytree
+class DraftHead:
+    """The MTP's draft head over a draft vocabulary (mtpjax/draft_vocab.py): the lm_head rows
+    of N token ids, gathered at load time, so a draft's argmax reads N x H, not V x H. Not a
+    checkpoint tensor: built by the engine from the lm_head it loaded (so it is in the
+    lm_head's dtype) and a token-id list; rows padded to a multiple of tp (id -1, zero row),
+    split by rows over the tp shards like the lm_head's vocabulary."""
+    weight: jax.Array  # [N, H]  lm_head rows of `ids` (of the embedding when tied)
+    ids: jax.Array     # i32[N]  ascending token ids; -1: padding (never drafted)
+
+
+@_pytree
 class Params:
     embed: jax.Array              # [V, H]
     final_norm: jax.Array         # [H] 1+w
     lm_head: jax.Array | None     # [V, H]; None when tied to `embed`
     layers: tuple                 # FullLayer | LinearLayer per decoder layer, model order
     mtp: MtpParams | None
+    draft: DraftHead | None = None  # the draft vocabulary's head; None: drafts over all of V
 
 
 # Leaves that stay float32 whatever dtype the model runs in. A_log is exponentiated into the

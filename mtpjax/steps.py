@@ -104,7 +104,7 @@ def draft_chain(cfg: Config, params: Params, cache: Cache, h_mtp, d1, pos, live,
         h3, cache = model.mtp_forward(cfg, params, cache, h[:, None], tok[:, None],
                                       Segment(pos + s, ones, table), kernels)
         h = h3[:, 0]
-        tok = model.argmax_tokens(cfg, params, h)
+        tok = model.draft_tokens(cfg, params, h)
         drafts.append(tok)
     return jnp.stack(drafts, axis=1), cache
 
@@ -301,7 +301,7 @@ def _decode_body(cfg: Config, params: Params, cache: Cache, state: LaneState, la
         if k > 0:
             h_mtp, cache = model.mtp_forward(cfg, params, cache, h, nt, seg_acc, kernels)
             hm_last = h_mtp[rows, n_acc]
-            d1 = model.argmax_tokens(cfg, params, hm_last)
+            d1 = model.draft_tokens(cfg, params, hm_last)
             drafts, cache = draft_chain(cfg, params, cache, hm_last, d1, state.pos + n_acc,
                                         active, page_table, k, kernels)
             drafts = jnp.pad(drafts, ((0, 0), (0, K - k)))

@@ -286,6 +286,9 @@ def on_mesh(body, cfg: Config, mesh: Mesh | None, params, cache, *rest, n_out: i
     cs = cache_specs(cache)
     outs = tuple(cs if i == cache_at else P() for i in range(n_out))
     pspecs = param_specs(cfg, tp) if tp > 1 else jax.tree.map(lambda _: P(), params)
+    if tp > 1 and params.draft is not None:    # the draft vocabulary's head: rows split
+        from mtpjax.draft_vocab import head_spec
+        pspecs = dataclasses.replace(pspecs, draft=head_spec(tp))
     f = spmd(partial(body, shard_config(cfg, tp)), mesh, (pspecs, cs) + (P(),) * len(rest), outs)
     return f(params, cache, *rest)
 

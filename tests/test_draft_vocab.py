@@ -1,0 +1,147 @@
+"""Draft vocabulary (mtpjax/draft_vocab.py): drafts over N lm_head rows, verification over all.
+
+- the output is the same token for token with and without a draft vocabulary (greedy and
+  seeded sampling), while the drafts, hence acceptance, do change;
+- with every id in the head, the drafts are exactly the full-vocabulary drafts (acceptance per
+  position equal);
+- model.draft_tokens == numpy's first argmax over the rows, padding never drafted, and under
+  tensor parallelism (tp = 2, an N no tp divides) the engine's tokens and acceptance equal
+  tp = 1's;
+- the list file: ranking, save / load, resolution of sizes and shares against a checkpoint,
+  clear errors for bad lists.
+"""
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import mtpjax
+from mtpjax import draft_vocab as dv
+from mtpjax import model
+from mtpjax.engine import Engine
+from mtpjax.sampling import SamplingParams
+
+from tiny_models import VOCAB11_CFG as CFG, VOCAB11_PARAMS as PARAMS
+from tiny_models import TP_CFG, TP_ENGINE_KW, TP_PARAMS, TP_PROMPTS, TP_SAMPLING
+
+RNG = np.random.default_rng(3)
+PROMPTS = [list(RNG.integers(0, 11, n)) for n in (3, 21, 9, 40, 1)]
+KW = dict(num_speculative_tokens=3, max_lanes=3, max_seq_len=96, prefill_chunk=16)
+SUBSET = [0, 3, 5, 7, 9]          # 5 of 11 ids
+GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
+SAMPLED = [SamplingParams(temperature=1.0, seed=7 + i, max_new_tokens=20) if i % 2 else
+           SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=7 + i, max_new_tokens=20)
+           for i in range(len(PROMPTS))]
+_RUNS: dict = {}
+
+
+def run(draft, sp, key):
+    if (str(draft), key) not in _RUNS:
+        eng = Engine(CFG, PARAMS, draft_vocab=draft, **KW)
+        _RUNS[(str(draft), key)] = eng.generate(PROMPTS, sp)
+    return _RUNS[(str(draft), key)]
+
+
+def per_position(outs):
+    return [list(o.stats.accepted_per_position) for o in outs]
+
+
+@pytest.mark.parametrize("key", ["greedy", "sampled"])
+def test_outputs_equal_with_and_without_a_draft_vocabulary(key):
+    sp = GREEDY if key == "greedy" else SAMPLED
+    full, small = run(None, sp, key), run(SUBSET, sp, key)
+    for a, b in zip(full, small):
+        assert b.token_ids == a.token_ids
+        assert b.finish_reason == a.finish_reason
+    # the drafts did change (the test sees the draft head at all), and some still landed
+    assert per_position(full) != per_position(small)
+    assert sum(o.stats.accepted_tokens for o in small) > 0
+    # and both are the stock engine's
+    plain = Engine(CFG, PARAMS, num_speculative_tokens=0, max_lanes=3, max_seq_len=96,
+                   prefill_chunk=16).generate(PROMPTS, sp)
+    assert [o.token_ids for o in plain] == [o.token_ids for o in small]
+
+
+def test_every_id_in_the_head_drafts_exactly_as_the_full_vocabulary():
+    full = run(None, GREEDY, "greedy")
+    every = run(list(range(CFG.vocab_size))[::-1], GREEDY, "greedy")   # order given: any
+    assert per_position(every) == per_position(full)
+    assert [o.token_ids for o in every] == [o.token_ids for o in full]
+
+
+def test_draft_tokens_is_the_first_argmax_over_the_rows():
+    ids = np.array([1, 4, 6, 9], np.int32)
+    head = dv.build_head(PARAMS, ids)
+    h = jax.random.normal(jax.random.key(0), (6, CFG.hidden_size))
+    got = np.asarray(model.draft_tokens(CFG, dataclasses.replace(PARAMS, draft=head), h))
+    logits = np.asarray(h) @ np.asarray(PARAMS.lm_head)[ids].T
+    np.testing.assert_array_equal(got, ids[np.argmax(logits, axis=-1)])
+    # padding rows (id -1, zero rows) never win, even where every real row scores below zero
+    pad = dv.build_head(PARAMS, ids, tp=3)
+    assert pad.weight.shape[0] == 6 and list(np.asarray(pad.ids)[4:]) == [-1, -1]
+    neg = dataclasses.replace(pad, weight=pad.weight.at[:4].set(-1.0))
+    got = np.asarray(model.draft_tokens(CFG, dataclasses.replace(PARAMS, draft=neg),
+                                        jnp.ones((3, CFG.hidden_size))))
+    assert got.tolist() == [1, 1, 1]      # all real rows tie at -H: the first id
+
+
+def test_tensor_parallel_draft_head_equals_one_device():
+    ids = [0, 2, 3, 5, 8, 11, 12]          # 7 rows: padded to 8 for tp = 2
+    kw = dict(TP_ENGINE_KW, max_lanes=1)
+    one = Engine(TP_CFG, TP_PARAMS, num_speculative_tokens=2, draft_vocab=ids,
+                 **kw).generate(TP_PROMPTS, TP_SAMPLING)
+    two = Engine(TP_CFG, TP_PARAMS, num_speculative_tokens=2, draft_vocab=ids, tp=2,
+                 **kw).generate(TP_PROMPTS, TP_SAMPLING)
+    assert [o.token_ids for o in two] == [o.token_ids for o in one]
+    assert per_position(two) == per_position(one)
+    full = Engine(TP_CFG, TP_PARAMS, num_speculative_tokens=2, **kw).generate(TP_PROMPTS,
+                                                                                TP_SAMPLING)
+    assert [o.token_ids for o in full] == [o.token_ids for o in one]
+
+
+def test_ranking_save_load_and_resolution(tmp_path):
+    counts = dv.count_tokens([[3, 3, 3, 1, 1, 7], [1, 3]], 10, always=[9])
+    vocab = dv.from_counts(counts, "test")
+    assert vocab.ranking[:4].tolist() == [9, 3, 1, 7]       # always first, then by count
+    assert vocab.ranking[4:].tolist() == [0, 2, 4, 5, 6, 8]  # never seen: id order
+    assert vocab.top(3).tolist() == [1, 3, 9]               # ascending
+    assert vocab.coverage(2) == pytest.approx(9 / 13)
+    vocab.save(str(tmp_path / dv.FILE))
+    back = dv.DraftVocab.load(str(tmp_path))
+    assert back.ranking.tolist() == vocab.ranking.tolist() and back.source == "test"
+    assert dv.resolve(3, 10, str(tmp_path)).tolist() == [1, 3, 9]
+    assert dv.resolve(0.5, 10, str(tmp_path)).tolist() == sorted([9, 3, 1, 7, 0])
+    assert dv.resolve(str(tmp_path / dv.FILE), 10).tolist() == [1, 3, 7, 9]
+    assert dv.resolve(None, 10) is None and dv.resolve(0, 10) is None
+
+
+@pytest.mark.parametrize("spec, match", [
+    ([1, 1, 2], "distinct"), ([0, 11], r"\[0, 11\)"), ([], "non-empty"),
+    (3, "beside a checkpoint"), (1.5, "share"), (True, "size, a share"),
+])
+def test_bad_draft_vocabularies_are_refused(spec, match, tmp_path):
+    dv.from_counts(np.ones(11, np.int64)).save(str(tmp_path / dv.FILE))
+    ckpt = str(tmp_path) if isinstance(spec, float) else None
+    with pytest.raises(ValueError, match=match):
+        Engine(CFG, PARAMS, num_speculative_tokens=1, max_lanes=1, max_seq_len=32,
+               draft_vocab=dv.resolve(spec, 11, ckpt) if ckpt else spec)
+
+
+def test_list_for_another_vocabulary_and_stock_engine_are_refused(tmp_path):
+    dv.from_counts(np.ones(50, np.int64)).save(str(tmp_path / dv.FILE))
+    with pytest.raises(ValueError, match="50 tokens, the model has 11"):
+        dv.resolve(4, 11, str(tmp_path))
+    with pytest.raises(ValueError, match="num_speculative_tokens > 0"):
+        Engine(CFG, PARAMS, num_speculative_tokens=0, max_lanes=1, max_seq_len=32,
+               draft_vocab=[1, 2])
+    with open(tmp_path / "bad.json", "w") as f:
+        json.dump({"format": "other"}, f)
+    with pytest.raises(ValueError, match="not a draft vocabulary"):
+        dv.DraftVocab.load(str(tmp_path / "bad.json"))
+    with pytest.raises(FileNotFoundError, match="experiments draft_vocab"):
+        dv.DraftVocab.load(str(tmp_path / "missing"))
