@@ -72,6 +72,9 @@ flags.DEFINE_enum("kernels", "auto", ["auto", "pallas", "reference", "interpret"
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights / KV dtype")
 flags.DEFINE_integer("page_size", 16, "KV page size in tokens")
 flags.DEFINE_integer("prefill_chunk", 64, "tokens of the prefill program's chunk")
+flags.DEFINE_integer("draft_vocab", 0, "draft vocabulary size N (mtpjax/draft_vocab.py): the "
+                     "programs draft over an N-row draft head instead of the lm_head (0: the "
+                     "whole vocabulary)")
 flags.DEFINE_list("programs", [], "compile only these (names as in the table); default all")
 flags.DEFINE_integer("min_mb", 1, "smallest data movement counted, MB written per execution")
 flags.DEFINE_float("hbm_gbps", 4800.0, "HBM bandwidth for the predicted time (H200: 4800)")
@@ -152,7 +155,8 @@ def main(argv):
             weights=weights, mtp_weights=mtp_weights,
             depths=[int(d) for d in FLAGS.depths] or None,
             mixed_depths=_mixed_depths(FLAGS.mixed_depths, FLAGS.depths,
-                                       FLAGS.num_speculative_tokens))
+                                       FLAGS.num_speculative_tokens),
+            draft_vocab=FLAGS.draft_vocab or None)
     if FLAGS.programs:
         unknown = set(FLAGS.programs) - {p.name for p in progs}
         if unknown:
@@ -171,6 +175,7 @@ def main(argv):
         "dtype": FLAGS.dtype, "weights": weights, "mtp_weights": mtp_weights,
         "page_size": FLAGS.page_size,
         "prefill_chunk": FLAGS.prefill_chunk, "min_bytes": FLAGS.min_mb * 1_000_000,
+        "draft_vocab": FLAGS.draft_vocab or cfg.vocab_size,
         "hbm_bytes_per_s": FLAGS.hbm_gbps * GB, "tp": FLAGS.tp, "dp": FLAGS.dp,
         "devices": FLAGS.tp * FLAGS.dp,
         "memory_per_device": tensor_parallel.memory_per_device(
@@ -205,7 +210,7 @@ def main(argv):
     model_rows = compare_model(rows, cfg, weights=weights, tp=FLAGS.tp,
                                K=FLAGS.num_speculative_tokens, page_size=FLAGS.page_size,
                                max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype,
-                               mtp_weights=mtp_weights)
+                               mtp_weights=mtp_weights, draft_vocab=FLAGS.draft_vocab or None)
     if model_rows:
         doc["cost_model"] = model_rows
         print("\ntraffic (every kernel's HBM bytes, hlo_audit.traffic) vs the cost model "
@@ -253,7 +258,8 @@ def _mixed_depths(given: list[str], depths: list[str], K: int) -> list[int]:
 
 
 def compare_model(rows: list[dict], cfg, *, weights: str, tp: int, K: int, page_size: int,
-                  max_seq_len: int, dtype: str, mtp_weights: str) -> list[dict]:
+                  max_seq_len: int, dtype: str, mtp_weights: str,
+                  draft_vocab: int | None = None) -> list[dict]:
     """Per program: the cost model's moved bytes (Cost.bytes) and floor (Cost.must_read) at
     the program's shapes (every lane at max_seq_len; a prefill chunk, alone or riding, at its
     start) against the traffic counted in its optimized HLO, and the weight bytes both read
@@ -263,7 +269,7 @@ def compare_model(rows: list[dict], cfg, *, weights: str, tp: int, K: int, page_
     if dtype != "bfloat16" or mtp_weights != "dense":
         return []
     cm = CostModel(cfg, weights="fp8" if weights == "fp8" else "bf16", tp=tp, K=K,
-                   page_size=page_size)
+                   page_size=page_size, draft_vocab=draft_vocab)
     out = []
     for r in rows:
         key = tuple(r["key"])

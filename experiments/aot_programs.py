@@ -28,6 +28,7 @@ from experiments import hlo_audit
 from mtpjax import model, quant, sampling, snapshots, steps, tensor_parallel
 from mtpjax.config import Config
 from mtpjax.kv_pool import pages_for
+from mtpjax.draft_vocab import abstract_head
 from mtpjax.params import (abstract_params, fp8_paths, get_path, hf_tensor_map, leaf_dtype,
                            leaf_shapes)
 
@@ -88,7 +89,7 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
                    dtype: str = "bfloat16", page_size: int = 16,
                    prefill_chunk: int = 64, mesh=None, weights: str = "dense",
                    mtp_weights: str = "dense", depths=None, snapshot_slots: int = 4,
-                   mixed_depths=()) -> list[Program]:
+                   mixed_depths=(), draft_vocab: int | None = None) -> list[Program]:
     """The engine's programs for an engine of `lanes` lanes drafting K tokens.
 
     decode_k{d}: steps.decode_step of depth d (d drafts verified, d made; depth 0 on a K > 0
@@ -110,6 +111,9 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
     shard_map and their floors count one device's share.
     weights / mtp_weights: "fp8" makes the linears (the MTP head's) FP8 leaves with 128 x 128
     block scales (mtpjax/quant.py), read by the FP8 matmul of `kernels`.
+    draft_vocab: N (< V) gives the params an N-row draft head (mtpjax/draft_vocab.py, in the
+    weights' dtype like lm_head, rows split over tp): every draft's argmax reads it instead
+    of the lm_head; the floor's lm_head_extra follows.
     """
     B, P = lanes, K + 1
     pages_per_lane = pages_for(max_seq_len + 2 * K, page_size)      # as Engine.__init__
@@ -129,6 +133,11 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
         cache = _sharded(jax.eval_shape(partial(tensor_parallel.init_paged_cache, cfg, mesh, B,
                                                 num_pages, page_size, P, dtype)),
                          tensor_parallel.cache_specs(local_cache), mesh)
+    if draft_vocab is not None and draft_vocab != cfg.vocab_size:
+        if not 1 <= draft_vocab <= cfg.vocab_size:
+            raise ValueError(f"draft_vocab must lie in 1..{cfg.vocab_size}, got {draft_vocab}")
+        params = dataclasses.replace(params, draft=abstract_head(
+            draft_vocab, cfg.hidden_size, dtype, tensor_parallel.mesh_tp(mesh), mesh))
     state = jax.eval_shape(partial(steps.LaneState.empty, B, K))
     i32, f32 = jnp.int32, jnp.float32
     lane_sampling = sampling.LaneSampling(temperature=_sds((B,), f32), top_k=_sds((B,), i32),
@@ -329,11 +338,14 @@ def program_weight_bytes(prog: Program) -> dict[str, int]:
     """weight_bytes of the program's params (one device's share under tp; FP8 leaves priced
     as stored); zeros for a program without weights (the copy programs)."""
     if WEIGHT not in prog.arg_kinds:
-        return {"target": 0, "mtp": 0, "lm_head": 0}
+        return {"target": 0, "mtp": 0, "lm_head": 0, "draft": 0}
     cfg, params = prog.args[0], prog.args[1]
-    if quant.has_fp8(params):
-        return tree_weight_bytes(cfg, params)
-    return weight_bytes(cfg, prog.dtype, tensor_parallel.mesh_tp(prog.mesh))
+    tp = tensor_parallel.mesh_tp(prog.mesh)
+    out = (tree_weight_bytes(cfg, dataclasses.replace(params, draft=None))
+           if quant.has_fp8(params) else weight_bytes(cfg, prog.dtype, tp))
+    # what a draft's argmax reads: the lm_head, or the draft vocabulary's head (one shard's)
+    out["draft"] = out["lm_head"] if params.draft is None else _nbytes(params.draft.weight) // tp
+    return out
 
 
 def floor_terms(prog: Program) -> dict[str, float]:
@@ -343,7 +355,7 @@ def floor_terms(prog: Program) -> dict[str, float]:
     nothing: a prefill chunk alone) + MTP head weights per MTP pass; kv_read: lanes x
     context tokens of the target layers' K and V per target pass and of the MTP layer's per MTP
     pass; gdn_state_rw: one read and one write of each counted lane's GDN slot; lm_head_extra:
-    lm_head bytes per extra read.
+    lm_head bytes per extra read (the draft head's with a draft vocabulary).
     """
     r = prog.reads
     w = program_weight_bytes(prog)
@@ -359,7 +371,7 @@ def floor_terms(prog: Program) -> dict[str, float]:
         "kv_read": float(r.lanes * r.context * r.kv_token_bytes
                          * (r.target_passes * full_layers + r.mtp_passes)),
         "gdn_state_rw": float(2 * r.gdn_lanes * r.gdn_lane_bytes),
-        "lm_head_extra": float(r.lm_head_extra * w["lm_head"]),
+        "lm_head_extra": float(r.lm_head_extra * w["draft"]),
     }
 
 

@@ -16,7 +16,8 @@ steps.LaneState), never from the audit:
                 nothing; MTP pass: the MTP head; a chunk's MTP KV fill: the MTP fc and
                 projection), once per pass: a mixed iteration's chunk and step share ONE
                 target pass (every GEMM runs over both groups' tokens);
-  lm_head_extra lm_head re-read per draft (argmax);
+  lm_head_extra lm_head re-read per draft (argmax); with a draft vocabulary of N ids
+                (mtpjax/draft_vocab.py, CostModel(draft_vocab=N)) the N-row draft head instead;
   kv_read       K and V of the context each lane's attention reads (target full-attention
                 layers per target pass, the MTP layer per MTP pass);
   kv_write      the K and V the program writes;
@@ -236,7 +237,8 @@ class CostModel:
     """
 
     def __init__(self, cfg: Config | None = None, *, weights: str = "bf16", tp: int = 1,
-                 K: int = 4, page_size: int = 16, hw: Hardware = H200):
+                 K: int = 4, page_size: int = 16, hw: Hardware = H200,
+                 draft_vocab: int | None = None):
         if weights not in ("bf16", "fp8"):
             raise ValueError(f"weights must be 'bf16' or 'fp8', got {weights!r}")
         if K < 0:
@@ -248,6 +250,14 @@ class CostModel:
         self.weights, self.tp, self.K, self.page_size, self.hw = weights, tp, K, page_size, hw
         self.local = tensor_parallel.shard_config(self.cfg, tp)
         self.w = _weight_bytes(self.cfg, weights, tp)
+        V = self.cfg.vocab_size
+        if draft_vocab is not None and not 1 <= int(draft_vocab) <= V:
+            raise ValueError(f"draft_vocab must lie in 1..{V}, got {draft_vocab}")
+        self.draft_vocab = None if draft_vocab in (None, V) else int(draft_vocab)
+        # the rows one device's draft argmax reads: the lm_head's block, or the draft head's
+        self.draft_rows = -(-(self.draft_vocab or V) // tp)
+        self.w["draft"] = (self.w["lm_head"] if self.draft_vocab is None
+                           else self.draft_rows * self.cfg.hidden_size * 2)   # bf16, like lm_head
         c, l = self.cfg, self.local
         self.act = 2                                   # bf16 activations and KV
         self.kv_token = 2 * l.num_key_value_heads * c.head_dim * self.act   # one layer, K+V
@@ -281,6 +291,8 @@ class CostModel:
             return 2 * H * H + attn + mlp
         if role == "lm_head":
             return vocab * H
+        if role == "draft":
+            return self.draft_rows * H
         raise ValueError(role)
 
     def _attn_flops(self, tokens_ctx: float) -> float:
@@ -348,11 +360,11 @@ class CostModel:
     def _logits_bytes(self, verify_rows: int, argmax_rows: int) -> float:
         """The lm_head's f32 logits around the samplers: every row written once by its GEMM;
         a verified / sampled row read SAMPLER_PASSES times by sampling.verify / sample, an
-        argmax row (a draft) read once."""
+        argmax row (a draft, over the draft vocabulary's rows) read once."""
         row = -(-self.cfg.vocab_size // self.tp) * 4
         a, b = SAMPLER_PASSES
         passes = a + b / verify_rows if verify_rows else 0.0
-        return row * (verify_rows * (1 + passes) + argmax_rows * 2)
+        return row * verify_rows * (1 + passes) + self.draft_rows * 4 * argmax_rows * 2
 
     def _gdn_bytes(self, lanes: int) -> float:
         return 2 * lanes * self.n_gdn * (self.gdn_state_layer + self.gdn_conv_layer
@@ -445,7 +457,7 @@ class CostModel:
         w = self.w
         must = {
             "weights": w["target"] + d * w["mtp"],
-            "lm_head_extra": d * w["lm_head"],
+            "lm_head_extra": d * w["draft"],
             "kv_read": self.kv_token * (self.n_full * ctx + d * ctx),
             "kv_write": self.kv_token * n * (self.n_full * T + (2 * d - 1 if d else 0)),
             "gdn_state": self._gdn_bytes(n),
@@ -458,7 +470,7 @@ class CostModel:
         moved["logits"] = self._logits_bytes(B * T, B * d)
         flops = 2 * B * T * self._linear_params("target") \
             + 2 * (B * T + B * max(d - 1, 0)) * (self._linear_params("mtp") if d else 0) \
-            + 2 * B * d * self._linear_params("lm_head") \
+            + 2 * B * d * self._linear_params("draft") \
             + self.n_full * self._attn_flops(T * ctx) + d * self._attn_flops(T * ctx) \
             + self._gdn_flops(B * (T + self.K + 1))
         return moved, must, flops
@@ -525,16 +537,17 @@ class CostModel:
         return max(flops / self.hw.bf16_flops_per_s, self.w["target"] / self.hw.hbm_bytes_per_s)
 
     def draft(self, lanes: int, contexts: Sequence[int]) -> Cost:
-        """One chained MTP draft step (MTP layer + lm_head argmax) over `lanes` slots."""
+        """One chained MTP draft step (MTP layer + lm_head argmax, over the draft vocabulary's
+        rows with one) over `lanes` slots."""
         B = int(lanes)
         _check_lanes(B, contexts)
         ctx = float(sum(contexts)) + len(contexts)
         w = self.w
-        must = {"weights": w["mtp"], "lm_head_extra": w["lm_head"],
+        must = {"weights": w["mtp"], "lm_head_extra": w["draft"],
                 "kv_read": self.kv_token * ctx, "kv_write": self.kv_token * len(contexts)}
         moved = dict(must, activations=self._activation_bytes(0, B),
                      logits=self._logits_bytes(0, B), split_k=self._split_k_bytes(0, [B]))
-        flops = 2 * B * (self._linear_params("mtp") + self._linear_params("lm_head")) \
+        flops = 2 * B * (self._linear_params("mtp") + self._linear_params("draft")) \
             + self._attn_flops(ctx)
         return self._finish(moved, must, flops, self._kernels(("draft", B)))
 
