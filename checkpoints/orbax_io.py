@@ -7,6 +7,7 @@ already-cast arrays, so later loads skip safetensors parsing and dtype conversio
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -22,6 +23,18 @@ MARKER = "mtpjax_converted.json"
 # Folders written for an older layout are refused with a message instead of a restore error.
 LAYOUT = "per-layer-fused/2"
 SIDECARS = ("tokenizer.json", "tokenizer_config.json", "generation_config.json")
+
+
+def _stored(params: Params) -> dict:
+    """What a converted folder holds: the checkpoint's leaves by Params field, without the
+    engine-built draft head (Params.draft: not a checkpoint tensor), so folders written before
+    that field existed restore as they are."""
+    return {f.name: getattr(params, f.name) for f in dataclasses.fields(Params)
+            if f.name != "draft"}
+
+
+def _params(stored: dict) -> Params:
+    return Params(**stored)
 
 
 def is_orbax_checkpoint(path: str) -> bool:
@@ -41,7 +54,7 @@ def save_converted(path: str, cfg: Config, params: Params, dtype: str, source: s
     if os.path.exists(target):
         shutil.rmtree(target)
     ckpt = ocp.StandardCheckpointer()
-    ckpt.save(target, params)
+    ckpt.save(target, _stored(params))
     ckpt.wait_until_finished()
     with open(os.path.join(path, MARKER), "w") as f:
         json.dump({"dtype": dtype, "source": source, "layout": LAYOUT}, f)
@@ -67,7 +80,7 @@ def restore_converted(path: str, meshes=None):
     abstract = abstract_params(cfg, dtype)
     ckpt = ocp.StandardCheckpointer()
     if meshes is None:
-        params = ckpt.restore(os.path.join(path, "params"), abstract)
+        params = _params(ckpt.restore(os.path.join(path, "params"), _stored(abstract)))
         return cfg, params, dtype
     out = []
     for mesh in meshes:
@@ -83,7 +96,7 @@ def _restore_on_mesh(ckpt, folder: str, cfg: Config, abstract: Params, mesh) -> 
     from mtpjax.params import get_path, leaf_shapes, replace_path
 
     if mesh is None:
-        return ckpt.restore(folder, abstract)
+        return _params(ckpt.restore(folder, _stored(abstract)))
     tp = tpar.mesh_tp(mesh)
     target = tpar.sharded_abstract_params(cfg, mesh, jax.tree.leaves(abstract)[0].dtype)
     staged = abstract
@@ -95,7 +108,7 @@ def _restore_on_mesh(ckpt, folder: str, cfg: Config, abstract: Params, mesh) -> 
             spec = P(*([None] * lay[0] + [tpar.TP_AXIS]))
         staged = replace_path(staged, lp, jax.ShapeDtypeStruct(
             a.shape, a.dtype, sharding=NamedSharding(mesh, spec)))
-    params = ckpt.restore(folder, staged)
+    params = _params(ckpt.restore(folder, _stored(staged)))
     for lp in leaf_shapes(cfg):
         lay = tpar.layout_index(cfg, tp, lp)
         want = get_path(target, lp).sharding

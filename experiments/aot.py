@@ -10,7 +10,10 @@ Programs (experiments/aot_programs.build_programs): decode_k{d} for each depth d
 `--mixed_depths` (the same step carrying a prefill chunk of T = --prefill_chunk tokens: one
 iteration with a prefill in flight, whose weights must be read once; default the decode
 depths), prefill_t{T} (steps.prefill_chunk: a chunk alone, no sampling), draft (one chained
-MTP step), move_lane, snapshot_save, snapshot_restore.
+MTP step), move_lane, snapshot_save, snapshot_restore. `--draft_vocab=N` gives the params an
+N-row draft head (mtpjax/draft_vocab.py): every draft's argmax reads it instead of the lm_head
+(default -1: the engine's default, 65,536 rows for the 27B; 0: the whole vocabulary); aot.json
+records "draft_vocab" and the draft program's bytes.
 
 For each it writes `<out_dir>/<program>.hlo.txt` (optimized HLO after the whole XLA GPU
 pipeline) and, in `<out_dir>/aot.json`:
@@ -72,9 +75,10 @@ flags.DEFINE_enum("kernels", "auto", ["auto", "pallas", "reference", "interpret"
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights / KV dtype")
 flags.DEFINE_integer("page_size", 16, "KV page size in tokens")
 flags.DEFINE_integer("prefill_chunk", 64, "tokens of the prefill program's chunk")
-flags.DEFINE_integer("draft_vocab", 0, "draft vocabulary size N (mtpjax/draft_vocab.py): the "
+flags.DEFINE_integer("draft_vocab", -1, "draft vocabulary size N (mtpjax/draft_vocab.py): the "
                      "programs draft over an N-row draft head instead of the lm_head (0: the "
-                     "whole vocabulary)")
+                     "whole vocabulary; -1: the engine's default, draft_vocab.default_size: "
+                     "65,536 rows for the 27B, the whole vocabulary for the tiny)")
 flags.DEFINE_list("programs", [], "compile only these (names as in the table); default all")
 flags.DEFINE_integer("min_mb", 1, "smallest data movement counted, MB written per execution")
 flags.DEFINE_float("hbm_gbps", 4800.0, "HBM bandwidth for the predicted time (H200: 4800)")
@@ -129,6 +133,11 @@ def main(argv):
     from mtpjax.config import Config, qwen3_5_27b
 
     cfg = qwen3_5_27b() if FLAGS.model == "27b" else Config.from_pretrained("checkpoints/tiny")
+    from mtpjax.draft_vocab import default_size
+    draft_vocab = (default_size(cfg.vocab_size) if FLAGS.draft_vocab < 0
+                   else FLAGS.draft_vocab or None)
+    if FLAGS.num_speculative_tokens == 0:
+        draft_vocab = None
     kernels = FLAGS.kernels
     if kernels == "auto":
         kernels = "pallas" if FLAGS.target == "h200" else "reference"
@@ -156,7 +165,7 @@ def main(argv):
             depths=[int(d) for d in FLAGS.depths] or None,
             mixed_depths=_mixed_depths(FLAGS.mixed_depths, FLAGS.depths,
                                        FLAGS.num_speculative_tokens),
-            draft_vocab=FLAGS.draft_vocab or None)
+            draft_vocab=draft_vocab)
     if FLAGS.programs:
         unknown = set(FLAGS.programs) - {p.name for p in progs}
         if unknown:
@@ -175,7 +184,7 @@ def main(argv):
         "dtype": FLAGS.dtype, "weights": weights, "mtp_weights": mtp_weights,
         "page_size": FLAGS.page_size,
         "prefill_chunk": FLAGS.prefill_chunk, "min_bytes": FLAGS.min_mb * 1_000_000,
-        "draft_vocab": FLAGS.draft_vocab or cfg.vocab_size,
+        "draft_vocab": draft_vocab or cfg.vocab_size,
         "hbm_bytes_per_s": FLAGS.hbm_gbps * GB, "tp": FLAGS.tp, "dp": FLAGS.dp,
         "devices": FLAGS.tp * FLAGS.dp,
         "memory_per_device": tensor_parallel.memory_per_device(
@@ -210,7 +219,7 @@ def main(argv):
     model_rows = compare_model(rows, cfg, weights=weights, tp=FLAGS.tp,
                                K=FLAGS.num_speculative_tokens, page_size=FLAGS.page_size,
                                max_seq_len=FLAGS.max_seq_len, dtype=FLAGS.dtype,
-                               mtp_weights=mtp_weights, draft_vocab=FLAGS.draft_vocab or None)
+                               mtp_weights=mtp_weights, draft_vocab=draft_vocab)
     if model_rows:
         doc["cost_model"] = model_rows
         print("\ntraffic (every kernel's HBM bytes, hlo_audit.traffic) vs the cost model "

@@ -31,15 +31,18 @@ def predicted_words(tp: int = 1) -> str:
             "(mtpjax/cost_model.py)")
 
 
-def make_clock(clock: str, k: int, *, weights: str = "bf16", tp: int = 1, page_size: int = 16):
+def make_clock(clock: str, k: int, *, weights: str = "bf16", tp: int = 1, page_size: int = 16,
+               draft_vocab: int | None = None):
     """None for "wall"; for "h200" a fresh VirtualClock over CostModel(weights, tp, K = k, the
-    engine's page size): one per engine, since each engine's time is its own."""
+    engine's page size, the 27B's draft vocabulary rows): one per engine, since each engine's
+    time is its own."""
     if clock not in CLOCKS:
         raise ValueError(f"--clock must be one of {CLOCKS}, got {clock!r}")
     if clock == "wall":
         return None
     from mtpjax.cost_model import CostModel, VirtualClock
-    return VirtualClock(CostModel(weights=weights, tp=tp, K=k, page_size=page_size))
+    return VirtualClock(CostModel(weights=weights, tp=tp, K=k, page_size=page_size,
+                                  draft_vocab=draft_vocab if k > 0 else None))
 
 
 def clock_weights(params) -> str:

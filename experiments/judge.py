@@ -114,6 +114,12 @@ flags.DEFINE_list("prefill_buckets", ["16", "64"], "padded prefill chunk lengths
 flags.DEFINE_list("lane_buckets", None, "lane counts the decode steps are compiled for "
                   "(default: the workloads' lane counts, e.g. 1,8,16); every engine shares "
                   "one set of programs")
+flags.DEFINE_float("draft_vocab", 0.0, "the candidate drafts over a draft vocabulary "
+                   "(mtpjax/draft_vocab.py, the list beside --checkpoint): a share of the "
+                   "vocabulary (< 1) or a size (>= 1); 0: the whole vocabulary")
+flags.DEFINE_integer("clock_draft_vocab", 0, "--clock=h200: the 27B's draft vocabulary rows "
+                     "the clock prices (0: the same share of its 248,320 ids as --draft_vocab, "
+                     "the whole vocabulary without one)")
 flags.DEFINE_bool("prefix_cache", True, "the chat workload's engines (stock and candidate) reuse "
                   "cached prompt prefixes; each timed pass starts from an empty cache (solo, team "
                   "and busy run without the cache, as the reference card)")
@@ -162,6 +168,8 @@ class JudgeConfig:
     lane_buckets: tuple | None = None   # decode lane buckets (None: the workloads' lanes)
     prefill_buckets: tuple = (16, 64)   # prefill chunk buckets; the largest is the chunk
     clock: str = "wall"         # wall | h200 (card_lib.make_clock: modelled 27B on an H200)
+    draft_vocab: float = 0.0    # candidate's draft vocabulary: share (< 1) or size; 0 none
+    clock_draft_vocab: int = 0  # the h200 clock's 27B draft rows (0: draft_vocab's share)
 
 
 def _from_flags() -> JudgeConfig:
@@ -177,7 +185,8 @@ def _from_flags() -> JudgeConfig:
         temperature=f.temperature, sample_temperature=f.sample_temperature,
         gate_prompts=f.gate_prompts, fidelity_tokens=f.fidelity_tokens,
         fidelity_lanes=f.fidelity_lanes, seed=f.seed, progress=f.progress, tp=f.tp, dp=f.dp,
-        prefix_cache=f.prefix_cache, clock=f.clock,
+        prefix_cache=f.prefix_cache, clock=f.clock, draft_vocab=f.draft_vocab,
+        clock_draft_vocab=f.clock_draft_vocab,
         lane_buckets=tuple(int(b) for b in f.lane_buckets) if f.lane_buckets else None,
         prefill_buckets=tuple(int(b) for b in f.prefill_buckets),
         chat=(chat_workload.ChatSpec(f.chat_conversations, f.chat_turns, f.chat_system_tokens)
@@ -269,8 +278,9 @@ def make_engine(cfg, params, jc: JudgeConfig, k: int, lanes: int, num_pages: int
     VirtualClock (card_lib.make_clock). The device pool is the Engine's default for the
     shape's lane_slots (every slot at full context)."""
     clock = card_lib.make_clock(jc.clock, k, weights=card_lib.clock_weights(params), tp=jc.tp,
-                                page_size=jc.page_size)
+                                page_size=jc.page_size, draft_vocab=clock_draft_rows(jc, cfg))
     return mtpjax.make_engine(cfg, params, tp=jc.tp, dp=jc.dp, placed=placed, clock=clock,
+                              draft_vocab=draft_ids(jc, cfg) if k > 0 else None,
                               num_speculative_tokens=k,
                               speculation_policy=candidate_policy(jc, k), max_lanes=lanes,
                               max_seq_len=shape.max_seq_len, kernels=jc.kernels,
@@ -284,6 +294,28 @@ def make_engine(cfg, params, jc: JudgeConfig, k: int, lanes: int, num_pages: int
                               # set of mixed programs per k would cost the main job ~3,500
                               # memory mappings (tests/test_main_job.py's budget)
                               ride_buckets=[max(jc.prefill_buckets)])
+
+
+def draft_ids(jc: JudgeConfig, cfg):
+    """The candidate's draft vocabulary ids (None: the whole vocabulary): jc.draft_vocab as a
+    share (< 1) or a size, from the list beside the checkpoint."""
+    from mtpjax import draft_vocab as dv
+    if not jc.draft_vocab:
+        return None
+    spec = jc.draft_vocab if jc.draft_vocab < 1 else int(jc.draft_vocab)
+    return dv.resolve(spec, cfg.vocab_size, jc.checkpoint)
+
+
+def clock_draft_rows(jc: JudgeConfig, cfg) -> int | None:
+    """The 27B draft rows the h200 clock prices: jc.clock_draft_vocab, else the candidate's
+    share of the 27B vocabulary (None: the whole vocabulary)."""
+    from mtpjax.config import qwen3_5_27b
+    if jc.clock_draft_vocab:
+        return jc.clock_draft_vocab
+    ids = draft_ids(jc, cfg)
+    if ids is None:
+        return None
+    return round(len(ids) / cfg.vocab_size * qwen3_5_27b().vocab_size)
 
 
 MEMORY_HOW = ("each engine's own phase: peak bytes of the live device arrays its run holds "
@@ -1063,6 +1095,9 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
         "settings": {
             "checkpoint": os.path.abspath(jc.checkpoint), "dtype": jc.dtype, "k": k,
             "num_speculative_tokens": k, "adaptive": jc.adaptive,
+            "draft_vocab": (None if draft_ids(jc, cfg) is None
+                            else len(draft_ids(jc, cfg))),
+            "clock_draft_vocab": clock_draft_rows(jc, cfg) if jc.clock == "h200" else None,
             "policy": engines[(jc.workloads[0], k)].stats().get("policy"),
             "mtp_head": jc.mtp_head, "warmup": warmup,
             "lane_slots": shape.lane_slots, "lane_buckets": list(shape.lane_buckets),

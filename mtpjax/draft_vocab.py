@@ -35,6 +35,17 @@ from mtpjax.params import DraftHead, Params
 FILE = "draft_vocab.json"
 FORMAT = "mtpjax-draft-vocab-1"
 
+# The 27B's default: of 16k, 32k, 64k and all 248,320 rows, the size with the highest predicted
+# H200 tokens/s at 1, 8 and 32 lanes (RESULTS.md "Draft vocabulary"; python -m experiments
+# draft_vocab_sweep). Smaller vocabularies (the tiny's 4,096) draft over all of them.
+DEFAULT_ROWS = 65536
+
+
+def default_size(vocab_size: int) -> int | None:
+    """The draft vocabulary an engine takes by default: DEFAULT_ROWS for a vocabulary of more
+    than twice that (the 27B's), else None (the whole vocabulary)."""
+    return DEFAULT_ROWS if vocab_size > 2 * DEFAULT_ROWS else None
+
 
 @dataclasses.dataclass(frozen=True)
 class DraftVocab:
@@ -118,10 +129,16 @@ def count_tokens(streams: Iterable[Sequence[int]], vocab_size: int,
 def resolve(spec, vocab_size: int, checkpoint: str | None = None) -> np.ndarray | None:
     """Ascending draft ids from a spec, or None (the whole vocabulary, no draft head).
 
-    spec: None or 0 (whole vocabulary); an int N (the N most frequent ids of the list beside
+    spec: None or 0 (whole vocabulary); "auto" (default_size, from the list beside
+    `checkpoint` when it has one, else the whole vocabulary); an int N (the N most frequent ids of the list beside
     `checkpoint`); a float in (0, 1] (that share of the vocabulary, same list); a path to a
     draft_vocab.json (all its counted ids); a DraftVocab (all its counted ids); a sequence
     of token ids (used as given)."""
+    if isinstance(spec, str) and spec == "auto":
+        n = default_size(vocab_size)
+        has_list = checkpoint is not None and os.path.isfile(
+            checkpoint if not os.path.isdir(checkpoint) else os.path.join(checkpoint, FILE))
+        return DraftVocab.load(checkpoint, vocab_size).top(n) if n and has_list else None
     if spec is None or (isinstance(spec, (int, np.integer)) and not isinstance(spec, bool)
                         and int(spec) == 0):
         return None

@@ -428,3 +428,19 @@ def test_kernel_count_runs_merge_into_the_table(tmp_path):
                                             ("decode", 0, 8): (20, 1024, 0)}
     assert ns["AUDIT"][("fp8", 1, 16)] == {("prefill", 64): (30, 1024, 960)}
     assert ns["COMMANDS"] == {("bf16", 4, 16): ("run a", "run b"), ("fp8", 1, 16): ("run c",)}
+
+
+def test_draft_vocabulary_prices_drafts_only():
+    """A draft vocabulary cheapens every draft (the draft program, each depth > 0 step by its
+    drafts) and nothing else: depth 0 and prefill cost the same; N = V is no draft
+    vocabulary."""
+    full, small = CostModel(K=4), CostModel(K=4, draft_vocab=32768)
+    assert small.decode(0, 8, [1024] * 8) == full.decode(0, 8, [1024] * 8)
+    assert small.prefill(512, 0) == full.prefill(512, 0)
+    for d in (1, 4):
+        gain = full.decode(d, 1, [1024]).total_bytes - small.decode(d, 1, [1024]).total_bytes
+        assert gain >= d * (248320 - 32768) * 5120 * 2
+    assert small.draft(1, [1024]).seconds < 0.5 * full.draft(1, [1024]).seconds
+    assert CostModel(K=4, draft_vocab=248320).draft(1, [64]) == full.draft(1, [64])
+    with pytest.raises(ValueError, match="draft_vocab"):
+        CostModel(K=4, draft_vocab=0)

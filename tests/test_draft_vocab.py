@@ -145,3 +145,47 @@ def test_list_for_another_vocabulary_and_stock_engine_are_refused(tmp_path):
         dv.DraftVocab.load(str(tmp_path / "bad.json"))
     with pytest.raises(FileNotFoundError, match="experiments draft_vocab"):
         dv.DraftVocab.load(str(tmp_path / "missing"))
+
+
+TINY = os.path.join(os.path.dirname(__file__), "..", "checkpoints", "tiny")
+
+
+def test_the_tiny_checkpoint_ships_a_list_that_from_checkpoint_resolves():
+    vocab = dv.DraftVocab.load(TINY, 4096)
+    cfg = mtpjax.Config.from_pretrained(TINY)
+    assert set(vocab.ranking[:len(cfg.eos_token_ids)].tolist()) == set(cfg.eos_token_ids)
+    assert vocab.coverage(410) > 0.5          # a ranking by counts, not ids in order
+    eng = Engine.from_checkpoint(TINY, num_speculative_tokens=1, max_lanes=1, max_seq_len=32,
+                                 draft_vocab=0.1)
+    assert eng.draft_ids.tolist() == vocab.top(410).tolist()
+    assert eng.params.draft.weight.shape == (410, cfg.hidden_size)
+    np.testing.assert_array_equal(np.asarray(eng.params.draft.weight),
+                                  np.asarray(eng.params.embed)[vocab.top(410)])   # tied head
+
+
+def test_draft_vocab_command_ranks_a_corpus_by_counts(tmp_path):
+    """`python -m experiments draft_vocab` on a text file: the ids come out ranked by their
+    count in the file as the checkpoint's tokenizer encodes it, end-of-turn ids first."""
+    import subprocess
+    import sys
+    from tokenizers import Tokenizer
+    text = "def f(x):\n    return x + 1\n" * 50 + "class A:\n    pass\n" * 7
+    (tmp_path / "c.txt").write_text(text)
+    out = tmp_path / "dv.json"
+    root = os.path.join(os.path.dirname(__file__), "..")
+    r = subprocess.run([sys.executable, "-m", "experiments", "draft_vocab", f"--checkpoint={TINY}",
+                        f"--corpus={tmp_path / 'c.txt'}", "--greedy_prompts=0",
+                        f"--out={out}", "--progress=false", "--nocompilation_cache"],
+                       cwd=root, capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert r.returncode == 0, r.stderr[-2000:]
+    ids = Tokenizer.from_file(os.path.join(TINY, "tokenizer.json")).encode(text).ids
+    eot = Tokenizer.from_file(os.path.join(TINY, "tokenizer.json")).token_to_id("<|endoftext|>")
+    counts = np.bincount(ids + [eot], minlength=4096)
+    vocab = dv.DraftVocab.load(str(out), 4096)
+    eos = mtpjax.Config.from_pretrained(TINY).eos_token_ids
+    assert set(vocab.ranking[:len(eos)].tolist()) == set(eos)
+    rest = [t for t in vocab.ranking[len(eos):] if counts[t] > 0 and t not in eos]
+    assert [counts[t] for t in rest] == sorted((counts[t] for t in rest), reverse=True)
+    assert len(rest) == int((counts > 0).sum()) - len(set(eos) & set(np.nonzero(counts)[0]))
+    assert "top" in r.stdout and "cover" in r.stdout

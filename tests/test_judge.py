@@ -476,3 +476,19 @@ def test_fp8_head_variants_share_the_target():
     jc_dense = judge.JudgeConfig(checkpoint=TINY_CKPT)
     assert not quant.has_fp8(judge.load_weights(jc_dense)[1])
     assert judge.load_weights(jc_dense)[2] is None
+
+
+def test_draft_vocabulary_settings_of_the_candidate_and_its_clock():
+    """--draft_vocab: a share of the checkpoint's list (or a size) for the candidate; the
+    h200 clock prices the same share of the 27B's 248,320 ids unless --clock_draft_vocab."""
+    from mtpjax.config import Config
+    jc = judge.JudgeConfig(draft_vocab=0.125, clock="h200")
+    cfg = Config.from_pretrained(jc.checkpoint)
+    ids = judge.draft_ids(jc, cfg)
+    assert len(ids) == 512 and list(ids) == sorted(ids)
+    assert judge.clock_draft_rows(jc, cfg) == 31040
+    assert len(judge.draft_ids(judge.JudgeConfig(draft_vocab=100), cfg)) == 100
+    assert judge.clock_draft_rows(judge.JudgeConfig(draft_vocab=0.5, clock_draft_vocab=65536),
+                                  cfg) == 65536
+    assert judge.draft_ids(judge.JudgeConfig(), cfg) is None
+    assert judge.clock_draft_rows(judge.JudgeConfig(), cfg) is None
