@@ -356,13 +356,20 @@ class Engine:
         weights: "auto" (as stored: an FP8 checkpoint loads FP8), "fp8" (quantize the linears
         block-wise at load time) or "dense"; mtp_weights: the MTP head's, "auto" = as stored,
         dense when weights="fp8" (see mtpjax/quant.py).
-        draft_vocab (in kw): a size N or a share of the vocabulary (the most frequent ids of
-        the `draft_vocab.json` beside the checkpoint), a path to such a list, or token ids.
+        draft_vocab (in kw): "auto" (default: draft_vocab.default_size, 64k rows for the
+        27B's 248k-id vocabulary when the checkpoint ships a list; the whole vocabulary for
+        small ones), None or 0 (the whole vocabulary), a size N or a share of the vocabulary
+        (the most frequent ids of the `draft_vocab.json` beside the checkpoint), a path to
+        such a list, or token ids.
         """
         from mtpjax.api import load_checkpoint
-        if kw.get("draft_vocab") is not None:   # a size or share: the list beside the checkpoint
-            kw["draft_vocab"] = draft_vocab_lib.resolve(
-                kw["draft_vocab"], _peek_config(path).vocab_size, path)
+        spec = kw.pop("draft_vocab", "auto")
+        if not num_speculative_tokens and spec not in (None, 0, "auto"):
+            raise ValueError("draft_vocab needs num_speculative_tokens > 0 (a stock engine "
+                             "drafts nothing)")
+        if num_speculative_tokens:    # a size or share: the list beside the checkpoint
+            kw["draft_vocab"] = draft_vocab_lib.resolve(spec, _peek_config(path).vocab_size,
+                                                        path)
         meshes = tensor_parallel.make_meshes(tp, dp, devices)
         if meshes == [None]:
             cfg, params = load_checkpoint(path, dtype, None, weights, mtp_weights)
@@ -480,7 +487,7 @@ class Engine:
         prompt = [int(t) for t in prompt]
         err = self._validate(prompt, params, sched)
         if err:
-            sched.ids.add(request_id)
+            sched.refused(request_id)
             return RequestOutput(prompt, [], FINISH_ERROR, err, RequestStats())
         stops = frozenset(params.stop_token_ids) | frozenset(self.eos)
         sched.add(Request(request_id, prompt, params, stops,
@@ -516,10 +523,15 @@ class Engine:
 
     def stop(self) -> dict[int, RequestOutput]:
         """End the session: requests still queued or running end "cancelled" (with the
-        tokens they have) and every lane's pages return to the pool."""
+        tokens they have) and every lane's pages return to the pool. `waiting_at_stop` then
+        names the queued ones that had no token yet and were not cancelled: resubmitted to a
+        new session, each gets the output it would have had (after a failed step, they are
+        the requests the failure did not touch)."""
         sched = self._sched
         if sched is None:
             return {}
+        self.waiting_at_stop = tuple(r.id for r in sched.queue
+                                     if not r.out and r.id not in sched.cancelled)
         sched.abort()
         self.preemptions += sched.preemptions
         self._sched = None
@@ -538,9 +550,66 @@ class Engine:
 
     def cancel(self, request_id: int) -> None:
         """Cancel a request of the running session (generate: an index into its prompts); it
-        ends with finish_reason "cancelled" and the tokens streamed so far. Thread-safe."""
+        ends with finish_reason "cancelled" and the tokens streamed so far. Thread-safe: the
+        session is read once (stop() on another thread may end it meanwhile; a cancel that
+        reaches a session already stopped is a no-op)."""
+        sched = self._sched
+        if sched is not None:
+            sched.cancel(request_id)
+
+    # ---------------------------------------------------------------- recovery
+    waiting_at_stop: tuple[int, ...] = ()     # set by stop()
+
+    def reset_device_state(self) -> None:
+        """Re-create the device state as the constructor built it: the KV pool and GDN slots
+        (`cache`), the lane state, the snapshot store, and the host state that describes them
+        (an empty page allocator: every page free; an empty prefix cache, its counters kept).
+
+        Why: the step programs donate the cache and lane state, so a step that fails inside
+        (or after) its program leaves `self.cache` / `self.state` pointing at deleted (or half
+        written) buffers, and every later step would fail. Compiled programs stay valid: the
+        shapes are the same. The old arrays are freed first, so the new ones never sit beside
+        them (a pool sized to the memory budget would not fit twice). An allocation that fails
+        (e.g. out of device memory) raises; calling again retries from where it stopped.
+        Needs no session open (stop() first)."""
         if self._sched is not None:
-            self._sched.cancel(request_id)
+            raise RuntimeError("reset_device_state() needs no open session: stop() it first")
+        old = (self.cache, self.state, self.snaps)
+        self.cache = self.state = self.snaps = None
+        self._delete_arrays(old)
+        del old
+        self.alloc = PageAllocator(self.num_pages, self.page_size, self.lane_slots,
+                                   self.pages_per_lane, pool_pages=self.pool_pages)
+        if self.prefix is not None:
+            self.prefix = self._empty_prefix_cache(self.prefix, self.alloc)
+        self.cache = tensor_parallel.init_paged_cache(self.cfg, self.mesh, self.lane_slots,
+                                                      self.pool_pages, self.page_size,
+                                                      self.k + 1, self.dtype)
+        state = steps.LaneState.empty(self.lane_slots, self.k)
+        if self.mesh is not None:
+            state = jax.device_put(state, NamedSharding(self.mesh, PartitionSpec()))
+        self.state = state
+        if self.prefix is not None:
+            self.snaps = snapshots.init_snapshots(self.cfg, self.mesh, self.prefix.num_slots,
+                                                  self.dtype)
+
+    @staticmethod
+    def _delete_arrays(tree) -> None:
+        """Free the device buffers of a pytree's arrays now (those a donating program has not
+        deleted already), rather than when the last Python reference goes."""
+        for x in jax.tree.leaves(tree):
+            if isinstance(x, jax.Array) and not x.is_deleted():
+                x.delete()
+
+    @staticmethod
+    def _empty_prefix_cache(old: PrefixCache, alloc: PageAllocator) -> PrefixCache:
+        """A prefix cache like `old` (slots, stride, key), empty, on `alloc`; the hit counters
+        carry over (they count over the engine's life, as stats() reports them)."""
+        new = PrefixCache(alloc, num_slots=old.num_slots, snapshot_pages=old.snapshot_pages,
+                          snapshot_bytes=old.snapshot_bytes, every_blocks=old.every_blocks,
+                          next_token_in_key=bool(old.extra))
+        new.stats = old.stats
+        return new
 
     # ---------------------------------------------------------------- pieces
     def _lane_sampling(self, sched: Scheduler, n: int | None = None) -> LaneSampling:

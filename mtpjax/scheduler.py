@@ -39,7 +39,9 @@ newer ones.
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
+import threading
 from typing import Callable, Protocol
 
 from mtpjax.kv_pool import PageAllocator, pages_for, tokens_touched_decode
@@ -47,6 +49,10 @@ from mtpjax.prefix_cache import PrefixCache
 from mtpjax.sampling import SamplingParams
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ERROR, FINISH_CANCELLED = "stop", "length", "error", "cancelled"
+
+# Ended request ids a session still refuses to take again (Scheduler.ids): a window, so that a
+# session serving requests for days keeps a bounded set, not every id it ever saw.
+RECENT_IDS = 4096
 
 
 @dataclasses.dataclass
@@ -249,8 +255,15 @@ class Scheduler:
         self.bucket = bucket or (lambda n: min(1 << (n - 1).bit_length(), len(self.lanes)))
         self.queue: list[Request] = []          # sorted by id
         self.finished: dict[int, RequestOutput] = {}
+        # Bounded bookkeeping (a session may stay open for days): `cancelled` holds ids of live
+        # requests only (cancel() ignores others; ended ones leave it at the next schedule());
+        # `ids`, the ids a new request may not take, holds the live requests' and the last
+        # RECENT_IDS ended ones' (`_ended`, oldest first).
         self.cancelled: set[int] = set()
-        self.ids: set[int] = set()              # every request id submitted (unique)
+        self.ids: set[int] = set()
+        self._live_ids: set[int] = set()        # queued or in a lane
+        self._ended: collections.deque[int] = collections.deque()
+        self._cancel_lock = threading.Lock()    # cancel() comes from any thread
         self.preemptions = 0
         self.step = 0
 
@@ -264,11 +277,38 @@ class Scheduler:
 
     def add(self, req: Request) -> None:
         self.ids.add(req.id)
+        self._live_ids.add(req.id)
         bisect.insort(self.queue, req, key=lambda r: r.id)
 
+    def refused(self, request_id: int) -> None:
+        """A request id submitted and refused at once (an invalid request): used, like an
+        ended request's id."""
+        self.ids.add(request_id)
+        self._retire(request_id)
+
+    def _retire(self, request_id: int) -> None:
+        """The request ended: its id leaves the live set and joins the window of recent ids;
+        the oldest id leaving the window may be taken again."""
+        self._live_ids.discard(request_id)
+        self._ended.append(request_id)
+        while len(self._ended) > RECENT_IDS:
+            old = self._ended.popleft()
+            if old not in self._live_ids:
+                self.ids.discard(old)
+
     def cancel(self, request_id: int) -> None:
-        """Cancel a queued or running request at the next scheduling point (thread-safe)."""
-        self.cancelled.add(request_id)
+        """Cancel a queued or running request at the next scheduling point (thread-safe).
+        Ids of requests that are not queued or running (ended, or never submitted) are
+        ignored: there is nothing to cancel, and the set stays as small as the live requests."""
+        with self._cancel_lock:
+            if request_id in self._live_ids:
+                self.cancelled.add(request_id)
+
+    def _prune_cancelled(self) -> None:
+        """Drop the cancellations of requests that have ended (applied, or raced with their
+        end); a cancel() arriving meanwhile for a live request stays."""
+        with self._cancel_lock:
+            self.cancelled &= self._live_ids
 
     def has_work(self) -> bool:
         return bool(self.queue) or any(self.lanes)
@@ -354,6 +394,8 @@ class Scheduler:
         for req in [r for r in self.queue if r.id in self.cancelled]:
             self.queue.remove(req)
             self._record(req, FINISH_CANCELLED)
+        if self.cancelled:
+            self._prune_cancelled()
         self._admit()
 
         running = self._running()
@@ -523,6 +565,7 @@ class Scheduler:
     def _record(self, req: Request, reason: str) -> None:
         req.done = reason
         self.finished[req.id] = RequestOutput(req.prompt, req.out, reason, None, req.stats)
+        self._retire(req.id)
 
     def abort(self) -> None:
         """End every running and queued request "cancelled" (with the tokens it has) and

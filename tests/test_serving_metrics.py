@@ -32,6 +32,7 @@ def stats(**kw) -> OnlineStats:
 COUNTERS = ["mtpjax_requests_finished", "mtpjax_prompt_tokens", "mtpjax_generation_tokens",
             "mtpjax_verify_steps", "mtpjax_draft_tokens", "mtpjax_accepted_tokens",
             "mtpjax_draft_accepted", "mtpjax_draft_tried", "mtpjax_engine_errors",
+            "mtpjax_device_rebuilds",
             "mtpjax_decode_step_seconds", "mtpjax_decode_steps", "mtpjax_decode_steps_by_depth",
             "mtpjax_prefill_seconds", "mtpjax_prefill_chunks", "mtpjax_preemptions",
             "mtpjax_prefix_cache_lookups", "mtpjax_prefix_cache_hits",

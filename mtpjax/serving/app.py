@@ -2,7 +2,9 @@
 `load_server`, which builds the engine, tokenizer and chat template from a `ServerConfig`.
 
 Routes: `POST /v1/chat/completions` and `POST /v1/completions` (streaming with SSE, or not),
-`GET /v1/models`, `GET /health`, `GET /metrics` (prometheus_client; `metrics`).
+`GET /v1/models`, `GET /health` (200 "ok"; 503 "rebuilding" while the engine re-creates its
+device state after a failed step, 503 "engine stopped"), `GET /metrics` (prometheus_client;
+`metrics`).
 
 Request flow:
   1. read the JSON body and parse it (`parsing`: pydantic models, the checkpoint's chat
@@ -293,9 +295,19 @@ def build_app(server: Server):
 
     @app.get("/health")
     async def health():
-        ok = online.alive
-        return JSONResponse({"status": "ok" if ok else "engine stopped"},
-                            status_code=200 if ok else 503)
+        """200 while requests are served; 503 while the device state is rebuilt after a
+        failed step (requests wait meanwhile) and once the engine stopped."""
+        state = online.health
+        if state == "ok":
+            return JSONResponse({"status": "ok"})
+        if state == "rebuilding":
+            return JSONResponse({"status": "rebuilding", "detail": "re-creating the device "
+                                 "state after a failed engine step; requests wait"},
+                                status_code=503)
+        body = {"status": "engine stopped"}
+        if online.fatal_error is not None:
+            body["detail"] = f"{type(online.fatal_error).__name__}: {online.fatal_error}"
+        return JSONResponse(body, status_code=503)
 
     @app.get("/metrics")
     async def metrics(request: Request):

@@ -132,6 +132,8 @@ def families(st: OnlineStats, model: str) -> list[Metric]:
         *_per_position(st, model),
         _iteration_histogram(st, model),
         _counter("mtpjax_engine_errors", "Engine steps that raised.", model, st.engine_errors),
+        _counter("mtpjax_device_rebuilds", "Device state re-created after a failed engine "
+                 "step.", model, st.device_rebuilds),
         *_engine(st.engine, model),
     ]
 

@@ -16,6 +16,14 @@ Data flow:
   4. When the engine reports the request ended (`step()`'s return), the handle gets its
      `OnlineOutput`, and the counters behind `/metrics` are updated.
 
+Failures. A step that raises ends the requests it held (finish_reason "error"); the step
+programs donate the device buffers, so the engine's device state is re-created
+(`Engine.reset_device_state`, retried with pauses: an out-of-memory may pass) before a new
+session opens, and the requests that were only waiting in the queue go into it and finish
+normally. Meanwhile `health` is "rebuilding" (the server's /health answers 503). A detokenizer
+error ends only its own request. If the device state cannot be rebuilt, the loop stops: every
+request left ends with an error and `health` is "stopped".
+
 Requests are token-identical to `Engine.generate` for the same prompt and SamplingParams:
 the sampler draws each token from (seed, position) only, whatever the batch or arrival time.
 A handle is read with a plain iterator (`for delta in handle`), an async iterator
@@ -123,16 +131,29 @@ class _TextState:
         self.cutter = StopStringCutter(stops)
         self.stop_ids = stop_ids
         self.text = ""
+        self.error: str | None = None       # the detokenizer failed: the request ends "error"
+
+    @property
+    def ended(self) -> bool:
+        """No more text: cut at a stop string, or the detokenizer failed."""
+        return self.cutter.hit is not None or self.error is not None
 
     def push(self, ids: list[int]) -> tuple[list[int], str]:
-        """Ids kept (cut after the token that completed a stop string) and the text released."""
+        """Ids kept (cut after the token that completed a stop string, or before the token
+        the detokenizer failed on: then `error` says why) and the text released."""
         if self.decoder is None:
             return ids, ""
         out = []
         for n, t in enumerate(ids):
             if t in self.stop_ids and n == len(ids) - 1:
                 break                       # the engine ends on it: never part of the text
-            out.append(self.cutter.push(self.decoder.push([t])))
+            try:
+                piece = self.decoder.push([t])
+            except Exception as e:  # noqa: BLE001 - this request's text only: it ends
+                self.error = f"detokenizer failed on token id {t}: {type(e).__name__}: {e}"
+                ids = ids[:n]
+                break
+            out.append(self.cutter.push(piece))
             if self.cutter.hit is not None:
                 ids = ids[:n + 1]
                 break
@@ -269,6 +290,7 @@ class OnlineStats:
     iteration_buckets: list[int] = dataclasses.field(
         default_factory=lambda: [0] * len(ITERATION_BUCKETS))   # counts per bucket (not cumulative)
     engine_errors: int = 0
+    device_rebuilds: int = 0               # device state re-created after a failed step
     engine: dict = dataclasses.field(default_factory=dict)      # Engine.stats() snapshot
 
     @property
@@ -294,17 +316,23 @@ class OnlineEngine:
     """An Engine session kept open on its own thread; see the module docstring.
 
     tokenizer: a `text.Tokenizer` (or None: deltas carry ids only, stop strings unavailable);
-    skip_special_tokens: the default of `add`. Use as a context manager or call start() and
+    skip_special_tokens: the default of `add`. rebuild_attempts, rebuild_backoff_s: how often
+    the device state is re-created after a failed step before the loop gives up, and the
+    first pause between tries (doubling). Use as a context manager or call start() and
     shutdown()."""
 
     def __init__(self, engine: Engine, tokenizer=None, skip_special_tokens: bool = True,
-                 stats_interval_s: float = 0.05):
+                 stats_interval_s: float = 0.05, rebuild_attempts: int = 5,
+                 rebuild_backoff_s: float = 0.1):
         if not hasattr(engine, "submit"):
             raise ValueError(f"{type(engine).__name__} has no continuous sessions (start / "
                              "submit / step); the online engine needs one Engine (dp = 1)")
         self.engine, self.tokenizer = engine, tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stats_interval_s = stats_interval_s
+        if rebuild_attempts < 1:
+            raise ValueError(f"rebuild_attempts must be >= 1, got {rebuild_attempts}")
+        self.rebuild_attempts, self.rebuild_backoff_s = int(rebuild_attempts), rebuild_backoff_s
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._pending: list[RequestHandle] = []
@@ -314,6 +342,8 @@ class OnlineEngine:
         self._thread: threading.Thread | None = None
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
+        self._rebuilding = False               # set by the engine thread, read by any
+        self.fatal_error: BaseException | None = None   # what ended the loop, if it failed
         # engine thread only:
         self._live: dict[int, tuple[RequestHandle, _TextState]] = {}
         self._stats = OnlineStats(accepted_per_position=[0] * engine.k,
@@ -351,6 +381,20 @@ class OnlineEngine:
     def alive(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
+    @property
+    def health(self) -> str:
+        """"ok" (serving), "rebuilding" (re-creating the device state after a failed step: new
+        requests wait until it is done) or "stopped" (shut down, never started, or the device
+        state could not be rebuilt: see fatal_error)."""
+        if not self.alive:
+            return "stopped"
+        return "rebuilding" if self._rebuilding else "ok"
+
+    @property
+    def ready(self) -> bool:
+        """Whether requests are served now (health "ok")."""
+        return self.health == "ok"
+
     # ------------------------------------------------------------------ any thread
     def add(self, prompt_ids: Sequence[int], params: SamplingParams = SamplingParams(),
             stop: Sequence[str] = (), skip_special_tokens: bool | None = None) -> RequestHandle:
@@ -377,7 +421,8 @@ class OnlineEngine:
 
     def cancel(self, request_id: int | RequestHandle) -> None:
         """End a request early ("cancelled", with what it has); its pages return at the next
-        engine iteration. Unknown or finished ids are ignored."""
+        engine iteration. Unknown or finished ids are ignored. Safe from any thread, at any
+        time (the engine thread applies it; a session restarting meanwhile is no matter)."""
         rid = request_id.id if isinstance(request_id, RequestHandle) else int(request_id)
         with self._lock:
             self._cancels.add(rid)
@@ -400,45 +445,66 @@ class OnlineEngine:
             return
         self._ready.set()
         try:
-            while True:
-                with self._lock:
-                    new, self._pending = self._pending, []
-                    cancels, self._cancels = self._cancels, set()
-                    stopping = self._stopping
-                if stopping:
-                    for h in new:
-                        self._end(h, None, FINISH_CANCELLED, None)
-                    break
-                for h in new:
-                    self._submit(h, h.id in cancels)
-                for rid in cancels:
-                    if rid in self._live:
-                        eng.cancel(rid)
-                if eng.has_work():
-                    self._iterate()
-                    self._take_snapshot(force=not eng.has_work())
-                else:
-                    self._take_snapshot(force=True)
-                    self._wake.wait()
-                    self._wake.clear()
+            self._serve()
+        except Exception as e:  # noqa: BLE001 - the loop cannot go on: every request left
+            self.fatal_error = e                # ends with this error, health says "stopped"
         finally:
-            left = eng.stop() if getattr(eng, "_sched", None) is not None else {}
-            for rid, out in left.items():
-                self._finished(rid, out)
-            for rid in list(self._live):
-                self._finished(rid, None)
-            self._take_snapshot(force=True)
+            self._close()
+
+    def _serve(self) -> None:
+        """Until shutdown: submit new requests, apply cancellations, step while there is work,
+        sleep when idle."""
+        eng = self.engine
+        while True:
+            with self._lock:
+                new, self._pending = self._pending, []
+                cancels, self._cancels = self._cancels, set()
+                stopping = self._stopping
+            if stopping:
+                for h in new:
+                    self._end(h, None, FINISH_CANCELLED, None)
+                return
+            for h in new:
+                self._submit(h, h.id in cancels)
+            for rid in cancels:
+                if rid in self._live:
+                    eng.cancel(rid)
+            if eng.has_work():
+                self._iterate()
+                self._take_snapshot(force=not eng.has_work())
+            else:
+                self._take_snapshot(force=True)
+                self._wake.wait()
+                self._wake.clear()
+
+    def _close(self) -> None:
+        """The loop ended (shutdown, or a failure it could not recover from): no more adds;
+        requests left end "cancelled" (with what they have), or "error" after a failure."""
+        eng, fatal = self.engine, self.fatal_error
+        with self._lock:
+            self._stopping = True
+            pending, self._pending = self._pending, []
+        msg = None if fatal is None else f"the engine stopped: {type(fatal).__name__}: {fatal}"
+        for h in pending:
+            self._end(h, None, FINISH_CANCELLED if fatal is None else FINISH_ERROR, msg)
+        left = eng.stop() if getattr(eng, "_sched", None) is not None else {}
+        if fatal is not None:
+            for rid in sorted(self._live):
+                h, ts = self._live.pop(rid)
+                self._end(h, None, FINISH_ERROR, msg, ts)
+        for rid, out in left.items():
+            self._finished(rid, out)
+        for rid in list(self._live):
+            self._finished(rid, None)
+        self._take_snapshot(force=True)
 
     def _submit(self, h: RequestHandle, cancelled: bool) -> None:
         if cancelled:
             self._end(h, None, FINISH_CANCELLED, None)
             return
-        try:
-            err = self.engine.submit(h.id, h.prompt, h.params)
-        except (TypeError, ValueError) as e:   # e.g. a params object of the wrong type
-            err = RequestOutput(h.prompt, [], FINISH_ERROR, str(e), RequestStats())
+        err = self._engine_submit(h)
         if err is not None:
-            self._end(h, None, FINISH_ERROR, err.error)
+            self._end(h, None, FINISH_ERROR, err)
             return
         p = h.params
         stop_ids = frozenset(p.stop_token_ids) | frozenset(self.engine.eos)
@@ -447,18 +513,21 @@ class OnlineEngine:
         self._stats.prompt_tokens += len(h.prompt)
         h._publish(queued=True)
 
+    def _engine_submit(self, h: RequestHandle) -> str | None:
+        """Hand the request to the engine's session: None, or why the engine refused it."""
+        try:
+            err = self.engine.submit(h.id, h.prompt, h.params)
+        except (TypeError, ValueError) as e:   # e.g. a params object of the wrong type
+            return str(e)
+        return None if err is None else err.error
+
     def _iterate(self) -> None:
         t0 = time.perf_counter()
         try:
             done = self.engine.step()
-        except Exception as e:  # noqa: BLE001 - the engine stopped its session; fail the
-            # requests it held, open a new session, keep serving the rest
+        except Exception as e:  # noqa: BLE001 - fail the requests it held, keep serving the rest
             self._stats.engine_errors += 1
-            self.engine.stop()                  # no-op if the engine already closed it
-            for rid in list(self._live):
-                h, _ = self._live.pop(rid)
-                self._end(h, None, FINISH_ERROR, f"engine step failed: {type(e).__name__}: {e}")
-            self.engine.start(on_token=self._on_token)
+            self._recover(e)
             return
         dt = time.perf_counter() - t0
         s = self._stats
@@ -470,15 +539,77 @@ class OnlineEngine:
         for rid, out in done.items():
             self._finished(rid, out)
 
+    def _recover(self, error: Exception) -> None:
+        """After a step that raised: the requests it held (in a lane, or with tokens
+        streamed) end with finish_reason "error"; the device state is re-created (the failed
+        program may have deleted its donated buffers, and every later step would fail on
+        them); a new session opens and the requests that were only waiting in the queue go
+        into it, to finish as if nothing happened. `health` is "rebuilding" meanwhile."""
+        eng = self.engine
+        self._rebuilding = True
+        try:
+            eng.stop()                          # a no-op if step() closed the session already
+            self._take_snapshot(force=True)     # the error counted before any client hears
+            waiting = set(eng.waiting_at_stop)
+            msg = f"engine step failed: {type(error).__name__}: {error}"
+            for rid in sorted(self._live):
+                h, ts = self._live[rid]
+                if ts.cutter.hit is not None:   # complete: only its cancellation was pending
+                    del self._live[rid]
+                    self._end(h, None, FINISH_STOP, None, ts, ts.cutter.hit)
+                elif rid not in waiting or h._deltas or ts.error is not None:
+                    del self._live[rid]
+                    self._end(h, None, FINISH_ERROR, msg, ts)
+            self._take_snapshot(force=True)
+            self._rebuild_device_state()
+            eng.start(on_token=self._on_token)
+            for rid in sorted(self._live):
+                self._resubmit(rid)
+        finally:
+            self._rebuilding = False
+
+    def _rebuild_device_state(self) -> None:
+        """engine.reset_device_state(), tried up to rebuild_attempts times with doubling
+        pauses (an out-of-memory can pass once the failed program's buffers are released);
+        raises when every try failed."""
+        last = None
+        for attempt in range(self.rebuild_attempts):
+            if attempt:
+                time.sleep(self.rebuild_backoff_s * 2 ** (attempt - 1))
+            try:
+                self.engine.reset_device_state()
+            except Exception as e:  # noqa: BLE001 - e.g. RESOURCE_EXHAUSTED: tried again
+                last = e
+                continue
+            self._stats.device_rebuilds += 1
+            return
+        raise RuntimeError(f"the device state could not be rebuilt after a failed step "
+                           f"({self.rebuild_attempts} tries; the last raised "
+                           f"{type(last).__name__}: {last})") from last
+
+    def _resubmit(self, rid: int) -> None:
+        """Put a request that was only waiting back into the new session (its handle, text
+        state and counters stay as they are)."""
+        h, ts = self._live[rid]
+        err = self._engine_submit(h)
+        if err is not None:
+            del self._live[rid]
+            self._end(h, None, FINISH_ERROR, err, ts)
+
     def _on_token(self, rid: int, new: list[int]) -> None:
         entry = self._live.get(rid)
-        if entry is None or entry[1].cutter.hit is not None:
-            return                              # already cut at a stop string
+        if entry is None or entry[1].ended:
+            return                              # cut at a stop string, or its text failed
         h, ts = entry
         self._stats.generation_tokens += len(new)
-        ids, text = ts.push(list(new))
-        h._publish(Delta(tuple(ids), text))
-        if ts.cutter.hit is not None:
+        try:
+            ids, text = ts.push(list(new))
+        except Exception as e:  # noqa: BLE001 - this request's text only: it ends, others go on
+            ts.error = f"text processing failed: {type(e).__name__}: {e}"
+            ids, text = [], ""
+        if ids or text:
+            h._publish(Delta(tuple(ids), text))
+        if ts.ended:                            # its pages return at the next step
             self.engine.cancel(rid)
 
     def _finished(self, rid: int, out: RequestOutput | None) -> None:
@@ -486,11 +617,10 @@ class OnlineEngine:
         if entry is None:
             return
         h, ts = entry
-        tail = ts.finish()
-        if tail:
-            h._publish(Delta((), tail))
+        self._flush_text(h, ts)
         if out is None:
-            self._end(h, None, FINISH_CANCELLED, None, ts)
+            self._end(h, None, FINISH_CANCELLED if ts.error is None else FINISH_ERROR,
+                      ts.error, ts)
             return
         st, agg = out.stats, self._stats
         agg.verify_steps += st.verify_steps
@@ -500,11 +630,26 @@ class OnlineEngine:
             agg.accepted_per_position[j] += a
             agg.tried_per_position[j] += t
         reason, stop_reason = out.finish_reason, None
+        if ts.error is not None:
+            self._end(h, out, FINISH_ERROR, ts.error, ts)
+            return
         if ts.cutter.hit is not None:
             reason, stop_reason = FINISH_STOP, ts.cutter.hit
         elif reason == FINISH_STOP and out.token_ids and out.token_ids[-1] in ts.stop_ids:
             stop_reason = out.token_ids[-1]
         self._end(h, out, reason, out.error, ts, stop_reason)
+
+    def _flush_text(self, h: RequestHandle, ts: _TextState) -> None:
+        """Publish the text the detokenizer and the stop-string cutter still held."""
+        if ts.error is not None:
+            return
+        try:
+            tail = ts.finish()
+        except Exception as e:  # noqa: BLE001 - this request's text only
+            ts.error = f"detokenizer failed at the end of the text: {type(e).__name__}: {e}"
+            return
+        if tail:
+            h._publish(Delta((), tail))
 
     def _end(self, h: RequestHandle, out: RequestOutput | None, reason: str, error: str | None,
              ts: _TextState | None = None, stop_reason=None) -> None:
