@@ -388,25 +388,38 @@ def workload_params(jc: JudgeConfig, n: int):
 
 def timed_generate(engine, prompts, params):
     """One timed pass, on the engine's time (card_lib.now: its clock's, else wall). page_util:
-    mean page use over the pass, sampled at every committed token; page_use_waiting: the same
-    over the steady state of a loaded server, from the time every lane has emitted (the
-    ramp-up, when lanes wait for their prefill, is left out) to the time the last request
-    starts (the drain is left out). None if there is no such window (as many lanes as
-    requests). The busy workload must keep it >= 0.9. ttft_s: mean over requests of the time
+    mean page use over the pass, sampled at every committed token; page_use_waiting: the
+    time-weighted page use over the steady state of a loaded server, from the time every lane
+    has emitted (the ramp-up, when lanes wait for their prefill, is left out) to the time the
+    last request starts (the drain is left out): the pool as each decode step ran (sampled at
+    its first token, before a lane that finishes in it frees its pages), weighted by the time
+    until the next step's. Per-token samples would weigh the moments after a request ends by
+    how few tokens a step emits, so a speculative engine, which emits several per step, would
+    look emptier than it is. None if there is no such window (as many lanes as requests). The
+    busy workload must keep it >= 0.9 (the judge spec: "at least 90% of KV pages in use in
+    steady state"). ttft_s: mean over requests of the time
     from the pass's start (every request is submitted then) to its first token. clock: what
     the engine's clock added in the pass (device_s modelled, host_s measured), or None."""
-    util, waiting, started = [], [], set()
+    util, waiting, started = [], [], set()       # waiting: (page use, seconds it held)
     full = min(engine.max_lanes, len(prompts))
     first: dict[int, float] = {}
+    last = {"step": None, "t": 0.0, "use": None}   # the current step's sample
 
     def on_token(i, ids):
-        first.setdefault(i, card_lib.now(engine))
+        now = card_lib.now(engine)
+        first.setdefault(i, now)
         started.add(i)
         s = engine.stats()
-        if "free_pages" in s and s.get("total_pages"):
-            util.append(1 - s["free_pages"] / s["total_pages"])
-            if full <= len(started) < len(prompts):
-                waiting.append(util[-1])
+        if "free_pages" not in s or not s.get("total_pages"):
+            return
+        use = 1 - s["free_pages"] / s["total_pages"]
+        util.append(use)
+        step = engine.timing.get("steps")
+        if step != last["step"]:                   # the first token of a step
+            if last["use"] is not None:
+                waiting.append((last["use"], now - last["t"]))
+            steady = full <= len(started) < len(prompts)
+            last.update(step=step, t=now, use=use if steady else None)
 
     clear = getattr(engine, "clear_prefix_cache", None)
     if clear is not None:      # a pass's prompts never hit what an earlier pass cached
@@ -427,7 +440,13 @@ def timed_generate(engine, prompts, params):
             "ttft_s": float(np.mean([t - t0 for t in first.values()])) if first else None,
             "clock": _clock_delta(engine, clock0),
             "page_util": float(np.mean(util)) if util else None,
-            "page_use_waiting": float(np.mean(waiting)) if waiting else None}
+            "page_use_waiting": _weighted_mean(waiting)}
+
+
+def _weighted_mean(samples: list[tuple[float, float]]) -> float | None:
+    """sum(value x weight) / sum(weight); None without weight."""
+    w = sum(t for _, t in samples)
+    return float(sum(u * t for u, t in samples) / w) if w > 0 else None
 
 
 def _clock_totals(engine) -> dict | None:

@@ -492,3 +492,44 @@ def test_draft_vocabulary_settings_of_the_candidate_and_its_clock():
                                   cfg) == 65536
     assert judge.draft_ids(judge.JudgeConfig(), cfg) is None
     assert judge.clock_draft_rows(judge.JudgeConfig(), cfg) is None
+
+
+def test_busy_page_use_is_time_weighted_per_step():
+    """page_use_waiting is the pool as each step ran (its first token, before a lane ending in
+    it frees pages), weighted by the time until the next step: a speculative engine emitting
+    several tokens per step is not charged for the moments after a request ends."""
+    from types import SimpleNamespace as NS
+
+    class Clock:
+        now, device_s, host_s, launches = 0.0, 0.0, 0.0, {}
+
+    class Fake:
+        max_lanes, depth_steps, clock = 2, [0], Clock()
+
+        def __init__(self):
+            self.timing, self.free = {"steps": 0}, 0
+
+        def stats(self):
+            return {"free_pages": self.free, "total_pages": 10}
+
+        def reset_timing(self, keys):
+            pass
+
+        def generate(self, prompts, params, on_token):
+            # (time, [(request, free pages when its token is emitted)]) per step
+            script = [(0.0, [(0, 0), (1, 0)]),
+                      (1.0, [(1, 0), (0, 5)]),   # request 1 ends in this step: 5 pages free
+                      (3.0, [(0, 1)]), (4.0, [(2, 5), (0, 5)]), (5.0, [(2, 5)])]
+            for t, toks in script:
+                self.clock.now = t
+                for rid, free in toks:
+                    self.free = free
+                    on_token(rid, [1])
+                self.timing["steps"] += 1
+            return [NS(finish_reason="length", token_ids=[1, 2], error=None)] * len(prompts)
+
+    r = judge.timed_generate(Fake(), [[1], [2], [3]], None)
+    # steady (2 of 3 started) from step 1 (use 1.0, held 2 s) through step 3 (use 0.9, 1 s);
+    # per-token samples would count the 0.5 after request 1 ended: (1 + 0.5 + 0.9) / 3 = 0.8
+    assert r["page_use_waiting"] == pytest.approx((1.0 * 2 + 0.9 * 1) / 3)
+    assert judge._weighted_mean([]) is None
