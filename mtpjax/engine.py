@@ -25,6 +25,14 @@ Host loop (one iteration, ONE program that reads the weights once):
   4. read back the emitted tokens; the scheduler applies stop conditions, streams them to
      on_token and frees finished lanes' pages
 
+Structured output (SamplingParams.grammar, mtpjax/grammar.py): a constrained request keeps an
+llguidance matcher on the host (scheduler.Request.constraint, advanced by its emitted tokens);
+before each decode step the engine reads back the drafts the step verifies and hands the step
+one packed token mask per verify row (`_masks`: the grammar state after the emitted tokens and
+the drafts before that row), so verification samples from the masked target distribution and
+the output is constrained plain decoding's, token for token. The masks are an input of every
+decode program (one cached all-allowed array when no lane is constrained): no extra program.
+
 Device state: `model.Cache` with a `PagedKV` pool per full-attention layer and for the MTP layer
 ([NKV, num_pages, page_size, HD] each) plus per-lane GDN slots per GDN layer, and
 `steps.LaneState`.
@@ -186,6 +194,15 @@ class Engine:
       unchanged, so outputs are too; a draft is cheaper (N x H read, not V x H) and accepted
       a little less often.
 
+    grammar_tokenizer: what structured output (SamplingParams.grammar) tokenizes with: an
+      llguidance LLTokenizer, a tokenizer.json or checkpoint folder path, or a
+      text.Tokenizer; built lazily at the first constrained request (from_checkpoint passes
+      the checkpoint's tokenizer.json). None: a request with a grammar ends "error". Each
+      step's verification then samples from the grammar-masked target distribution, the
+      output of constrained plain decoding token for token (mtpjax/grammar.py); the masks are
+      an input of every decode program (all-allowed without a constrained lane), so they add
+      no program.
+
     clock: None (default: wall time, as measured) or a cost_model.VirtualClock whose model has
       this engine's K and page size: time is then the modelled H200's (module docstring).
       timing["step_s"] and timing["prefill_s"] then hold modelled seconds, timing["host_s"]
@@ -203,7 +220,8 @@ class Engine:
                  snapshot_every_blocks: int = 4, depth0_fills_mtp_kv: bool = False,
                  lane_slots: int | None = None, lane_buckets: Sequence[int] | None = None,
                  pool_pages: int | None = None, clock=None, mixed_max_depth: int | None = None,
-                 ride_buckets: Sequence[int] | None = None, draft_vocab=None):
+                 ride_buckets: Sequence[int] | None = None, draft_vocab=None,
+                 grammar_tokenizer=None):
         k = int(num_speculative_tokens)
         if k < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
@@ -323,6 +341,8 @@ class Engine:
         self._mark = 0.0                 # clock: perf_counter where the open host segment began
         self._submitted: dict[int, float] = {}   # clock: request id -> clock time of submit
         self.clock = clock
+        self._grammar_src, self._grammar_tok = grammar_tokenizer, None
+        self._no_masks: dict[tuple[int, int], jax.Array] = {}   # (lanes, depth) -> all -1
 
     @property
     def clock(self):
@@ -363,6 +383,9 @@ class Engine:
         such a list, or token ids.
         """
         from mtpjax.api import load_checkpoint
+        import os
+        if "grammar_tokenizer" not in kw and os.path.isfile(os.path.join(path, "tokenizer.json")):
+            kw["grammar_tokenizer"] = os.path.join(path, "tokenizer.json")   # built lazily
         spec = kw.pop("draft_vocab", "auto")
         if not num_speculative_tokens and spec not in (None, 0, "auto"):
             raise ValueError("draft_vocab needs num_speculative_tokens > 0 (a stock engine "
@@ -490,8 +513,15 @@ class Engine:
             sched.refused(request_id)
             return RequestOutput(prompt, [], FINISH_ERROR, err, RequestStats())
         stops = frozenset(params.stop_token_ids) | frozenset(self.eos)
+        constraint = None
+        if params.grammar is not None:
+            try:
+                constraint = self._constraint(params.grammar)
+            except (ValueError, TypeError, OSError) as e:
+                sched.refused(request_id)
+                return RequestOutput(prompt, [], FINISH_ERROR, str(e), RequestStats())
         sched.add(Request(request_id, prompt, params, stops,
-                          stats=RequestStats.for_depth(self.k)))
+                          stats=RequestStats.for_depth(self.k), constraint=constraint))
         if self.clock is not None:
             self._submitted[request_id] = self.clock.now
         return None
@@ -610,6 +640,50 @@ class Engine:
                           next_token_in_key=bool(old.extra))
         new.stats = old.stats
         return new
+
+    # ---------------------------------------------------------------- structured output
+    @property
+    def grammar_tokenizer(self):
+        """The llguidance tokenizer constrained requests use (built at first use), or None."""
+        if self._grammar_tok is None and self._grammar_src is not None:
+            from mtpjax import grammar
+            self._grammar_tok = grammar.make_tokenizer(self._grammar_src, self.cfg.vocab_size,
+                                                       self.eos)
+        return self._grammar_tok
+
+    def _constraint(self, spec: str):
+        """A request's grammar state (grammar.Constraint); ValueError when the engine has no
+        grammar tokenizer or the grammar is invalid."""
+        from mtpjax import grammar
+        tok = self.grammar_tokenizer
+        if tok is None:
+            raise ValueError("this request has a grammar but the engine has no grammar "
+                             "tokenizer (Engine(grammar_tokenizer=...), or from_checkpoint on a "
+                             "folder with a tokenizer.json)")
+        return grammar.Constraint(tok, spec, self.cfg.vocab_size)
+
+    def _masks(self, sched: Scheduler, batch: StepBatch, nb: int):
+        """The step's grammar masks, i32[nb, k+1, words] (mtpjax/grammar.py): per constrained
+        row, the grammar state after its emitted tokens and each prefix of the drafts the
+        device holds (read back here: the drafts the step verifies); -1 (all allowed) for
+        every other lane. Without a constrained row, one cached all -1 device array."""
+        k = batch.k
+        rows = [(r, sched.lanes[r.lane].req) for r in batch.rows]
+        rows = [(r, req) for r, req in rows if req.constraint is not None]
+        if not rows:
+            key = (nb, k)
+            if key not in self._no_masks:
+                self._no_masks[key] = jnp.full((nb, k + 1, (self.cfg.vocab_size + 31) // 32),
+                                               -1, jnp.int32)
+            return self._no_masks[key]
+        from mtpjax import grammar
+        masks = np.full((nb, k + 1, grammar.words(self.cfg.vocab_size)), -1, np.int32)
+        # the drafts the step verifies: the device's (a joining lane's are reset to 0)
+        drafts = np.asarray(self.state.drafts)[:nb, :k] if k else np.zeros((nb, 0), np.int32)
+        for r, req in rows:
+            d = [0] * k if r.join_token is not None else drafts[r.lane].tolist()
+            masks[r.lane] = req.constraint.step_masks(d, req.stops)
+        return jnp.asarray(masks)
 
     # ---------------------------------------------------------------- pieces
     def _lane_sampling(self, sched: Scheduler, n: int | None = None) -> LaneSampling:
@@ -754,10 +828,11 @@ class Engine:
         lanes = self._lane_sampling(sched, nb)
         key = ("decode", batch.k, nb) if chunk is None else ("mixed", batch.k, nb, T)
         contexts = [r.pos for r in batch.rows]   # tokens cached per lane before the step
+        allowed = self._masks(sched, batch, nb)
         (self.cache, self.state, out, n_acc), modelled = self._program(
             key, lambda: steps.decode_step(
                 self.cfg, self.params, self.cache, self.state, lanes, jnp.asarray(active),
-                jnp.asarray(self.alloc.table[:nb]), join, chunk, k=batch.k,
+                jnp.asarray(self.alloc.table[:nb]), join, chunk, allowed, k=batch.k,
                 kernels=self.kernels, mesh=self.mesh, fill_mtp_kv=self.depth0_fills_mtp_kv),
             contexts, start=0 if batch.prefill is None else batch.prefill.start)
         return np.asarray(out), np.asarray(n_acc), key, modelled
@@ -854,10 +929,11 @@ class Engine:
         if key[0] in ("decode", "mixed"):
             d, nb = key[1], key[2]
             lanes_s = LaneSampling.from_params([SamplingParams()] * nb)
+            no_masks = jnp.full((nb, d + 1, (self.cfg.vocab_size + 31) // 32), -1, jnp.int32)
             self.cache, self.state, out, _ = steps.decode_step(
                 self.cfg, self.params, self.cache, self.state, lanes_s,
                 jnp.zeros(nb, bool), jnp.asarray(self.alloc.table[:nb]), steps.Join.none(nb),
-                chunk(key[3]) if key[0] == "mixed" else None, k=d,
+                chunk(key[3]) if key[0] == "mixed" else None, no_masks, k=d,
                 kernels=self.kernels, mesh=self.mesh, fill_mtp_kv=self.depth0_fills_mtp_kv)
             out.block_until_ready()
         elif key[0] == "prefill":

@@ -69,8 +69,9 @@ class SamplingParams:
     """Host-side sampling settings for one request.
 
     temperature 0 means greedy. top_k 0 and top_p 1.0 turn those filters off. The
-    sampler does not read max_new_tokens or stop_token_ids; the engine applies them on
-    the host. Fields that do not depend on the vocabulary are checked at construction;
+    sampler does not read max_new_tokens, stop_token_ids or grammar; the engine applies them
+    on the host (the grammar as token masks it hands each step, mtpjax/grammar.py). Fields
+    that do not depend on the vocabulary are checked at construction;
     ``validate(vocab_size)`` also checks the stop ids.
     """
 
@@ -80,6 +81,11 @@ class SamplingParams:
     max_new_tokens: int = 16
     seed: int = 0
     stop_token_ids: tuple[int, ...] = ()
+    # Structured output: a llguidance grammar (mtpjax.grammar.json_schema_grammar(schema),
+    # json_object_grammar(), or any grammar llguidance's LLMatcher takes) the generated tokens
+    # must follow; None: unconstrained. The engine masks the target distribution with it at
+    # every verify position, exactly as constrained plain decoding would (mtpjax/grammar.py).
+    grammar: str | None = None
 
     def __post_init__(self):
         # A list is accepted for convenience; a tuple keeps the object hashable.
@@ -105,6 +111,9 @@ class SamplingParams:
         for i in self.stop_token_ids:
             if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0:
                 raise ValueError(f"stop_token_ids must be integers >= 0, got {i!r}")
+        if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
+            raise ValueError(f"grammar must be a llguidance grammar string or None, got "
+                             f"{type(self.grammar).__name__}")
 
     def validate(self, vocab_size: int) -> SamplingParams:
         """Checks every field against ``vocab_size``; returns self so calls can chain."""

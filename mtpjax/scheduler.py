@@ -100,6 +100,9 @@ class Request:
     out: list[int] = dataclasses.field(default_factory=list)
     stats: RequestStats = dataclasses.field(default_factory=RequestStats)
     done: str | None = None
+    # structured output: the request's grammar state over `out` (grammar.Constraint), or None.
+    # It advances by every emitted token here (_emit); the engine reads it to mask each step.
+    constraint: object | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -539,11 +542,16 @@ class Scheduler:
         if req.id in self.cancelled:
             self._finish(lane, FINISH_CANCELLED)
             return
-        new, done = [], None
+        new, done, error = [], None, None
+        c = req.constraint
         for t in toks:
             new.append(t)
             req.out.append(t)
             if t in req.stops:
+                done = FINISH_STOP
+            elif c is not None and (error := c.consume(t)) is not None:
+                done = FINISH_ERROR      # cannot happen: tokens come from the masked target
+            elif c is not None and c.stopped:   # the grammar is complete: nothing can follow
                 done = FINISH_STOP
             elif len(req.out) >= req.params.max_new_tokens:
                 done = FINISH_LENGTH
@@ -554,17 +562,17 @@ class Scheduler:
         if self.on_token and new:
             self.on_token(req.id, new)
         if done:
-            self._finish(lane, done)
+            self._finish(lane, done, error)
 
-    def _finish(self, lane: int, reason: str) -> None:
+    def _finish(self, lane: int, reason: str, error: str | None = None) -> None:
         req = self.lanes[lane].req
         self.alloc.free(lane)
         self.lanes[lane] = None
-        self._record(req, reason)
+        self._record(req, reason, error)
 
-    def _record(self, req: Request, reason: str) -> None:
+    def _record(self, req: Request, reason: str, error: str | None = None) -> None:
         req.done = reason
-        self.finished[req.id] = RequestOutput(req.prompt, req.out, reason, None, req.stats)
+        self.finished[req.id] = RequestOutput(req.prompt, req.out, reason, error, req.stats)
         self._retire(req.id)
 
     def abort(self) -> None:

@@ -67,7 +67,7 @@ from jax import lax
 
 from jax.sharding import PartitionSpec as P
 
-from mtpjax import model, sampling
+from mtpjax import grammar, model, sampling
 from mtpjax import tensor_parallel as tp
 from mtpjax.config import Config
 from mtpjax.model import Cache, Segment
@@ -113,18 +113,32 @@ def _all_greedy(lanes: sampling.LaneSampling):
     return jnp.all(lanes.temperature <= 0)
 
 
-def _verify(cfg: Config, params: Params, h, drafts, lanes, first_position):
+def _verify(cfg: Config, params: Params, h, drafts, lanes, first_position, allowed=None):
     """sampling.verify on the target's post-norm hidden h [B, k+1, H].
+
+    allowed: None, or packed token masks i32[B, k+1, ceil(V/32)] (mtpjax/grammar.py): row j
+    of lane b samples from the target distribution restricted to the tokens its mask allows
+    (their logits kept, the others -inf), the distribution constrained plain decoding samples
+    at that position. A step whose masks are all -1 (no lane constrained) skips the masking.
 
     Under tensor parallelism a batch of greedy lanes only needs each position's argmax, which
     `model.argmax_tokens` finds on the sharded logits ([tp, B, k+1] pairs gathered); only a
-    batch with a sampling lane gathers the [B, k+1, V] logits for the exact sampler. Both give
-    the first argmax for a greedy lane, so the tokens do not depend on the branch."""
-    sampled = lambda: sampling.verify(model.full_logits(cfg, params, h), drafts, lanes,
-                                      first_position)
+    batch with a sampling lane (or a constrained lane) gathers the [B, k+1, V] logits for the
+    exact sampler. Both give the first argmax for a greedy lane, so the tokens do not depend on
+    the branch."""
+    def logits():
+        x = model.full_logits(cfg, params, h)
+        if allowed is None:
+            return x
+        return lax.cond(grammar.constrained(allowed),
+                        lambda: grammar.apply_bitmask(x, allowed), lambda: x)
+    sampled = lambda: sampling.verify(logits(), drafts, lanes, first_position)
     if cfg.tp_axis is None:
         return sampled()
-    return lax.cond(_all_greedy(lanes),
+    fast = _all_greedy(lanes)
+    if allowed is not None:
+        fast = fast & ~grammar.constrained(allowed)
+    return lax.cond(fast,
                     lambda: sampling.accept(model.argmax_tokens(cfg, params, h), drafts),
                     sampled)
 
@@ -228,7 +242,7 @@ def _prefill_body(cfg: Config, params: Params, cache: Cache, chunk: Chunk, *, k:
          donate_argnames=("cache", "state"))
 def decode_step(cfg: Config, params: Params, cache: Cache, state: LaneState,
                 lanes: sampling.LaneSampling, active, page_table, join: Join,
-                chunk: Chunk | None = None, *, k: int, kernels: str, mesh=None,
+                chunk: Chunk | None = None, allowed=None, *, k: int, kernels: str, mesh=None,
                 fill_mtp_kv: bool = False):
     """One engine iteration: a draft-verify-accept-rollback-redraft step of depth k for lanes
     0..B-1, and optionally one lane's prefill chunk in the same forward.
@@ -249,16 +263,29 @@ def decode_step(cfg: Config, params: Params, cache: Cache, state: LaneState,
     Returns (cache, state, tokens i32[B, k+1] (-1 past the emitted ones), n_accepted i32[B]).
     mesh: as in prefill_chunk. fill_mtp_kv: whether a depth-0 step writes the MTP KV of its
     committed pair (see "Draft depth per step"); no effect at k > 0.
+    allowed: None, or the grammar masks of the verify rows, packed i32[B, k+1, ceil(V/32)]
+    (structured output, mtpjax/grammar.py; all -1 for an unconstrained lane): verification
+    samples from the masked target distribution. The engine always passes it (all -1 when no
+    lane is constrained), so constrained and unconstrained steps run one program.
     """
-    body = partial(_decode_body, k=k, kernels=kernels, fill_mtp_kv=fill_mtp_kv)
-    extra = () if chunk is None else (chunk,)
+    body = partial(_decode_body_args, k=k, kernels=kernels, fill_mtp_kv=fill_mtp_kv,
+                   has_chunk=chunk is not None, has_mask=allowed is not None)
+    extra = tuple(x for x in (chunk, allowed) if x is not None)
     return tp.on_mesh(body, cfg, mesh, params, cache, state, lanes, active, page_table, join,
                       *extra, n_out=4)
 
 
+def _decode_body_args(cfg, params, cache, state, lanes, active, page_table, join, *extra,
+                      has_chunk: bool, has_mask: bool, **kw):
+    chunk = extra[0] if has_chunk else None
+    allowed = extra[-1] if has_mask else None
+    return _decode_body(cfg, params, cache, state, lanes, active, page_table, join, chunk,
+                        allowed=allowed, **kw)
+
+
 def _decode_body(cfg: Config, params: Params, cache: Cache, state: LaneState, lanes, active,
                  page_table, join: Join, chunk: Chunk | None = None, *, k: int, kernels: str,
-                 fill_mtp_kv: bool = False):
+                 fill_mtp_kv: bool = False, allowed=None):
     B = active.shape[0]
     K = state.drafts.shape[1]
     if not 0 <= k <= K:
@@ -287,7 +314,10 @@ def _decode_body(cfg: Config, params: Params, cache: Cache, state: LaneState, la
         cache = model.mtp_fill_kv(cfg, params, cache, hs[0], chunk.next_tokens,
                                   chunk.segment())
     h = hs[-1]
-    n_acc, out = _verify(cfg, params, h, drafts_in, lanes, state.pos + 1)
+    if allowed is not None and allowed.shape[:2] != (B, k + 1):
+        raise ValueError(f"grammar masks must be [B={B}, k+1={k + 1}, words], got "
+                         f"{allowed.shape}")
+    n_acc, out = _verify(cfg, params, h, drafts_in, lanes, state.pos + 1, allowed)
     n_acc = jnp.where(active, n_acc, 0)
     cache = dataclasses.replace(cache, n_pend=model.put_slots(
         cache.n_pend, 0, jnp.where(active, n_acc + 1, 0)))

@@ -155,7 +155,8 @@ def test_chat_content_parts_and_tool_history(tok, template):
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": []}, "chat_template_kwargs"),
     ({"skip_special_tokens": 1}, "skip_special_tokens"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "yaml"}}, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"top_logprobs": 2}, "top_logprobs"), ({"logit_bias": {"1": 5}}, "logit_bias"),
     ({"user": "bob"}, "user"), ({"parallel_tool_calls": False}, "parallel_tool_calls"),
     ({"min_p": 0.1}, "min_p"), ({"repetition_penalty": 1.1}, "repetition_penalty"),
@@ -219,7 +220,8 @@ def test_every_declared_field_is_implemented_or_no_op_only():
     reads it) or declared with its no-op value only."""
     implemented = {"model", "messages", "prompt", "temperature", "top_p", "top_k", "seed",
                    "stop", "stream", "stream_options", "skip_special_tokens", "max_tokens",
-                   "max_completion_tokens", "chat_template_kwargs", "tools", "tool_choice"}
+                   "max_completion_tokens", "chat_template_kwargs", "tools", "tool_choice",
+                   "response_format"}
     no_op_only = {"n", "presence_penalty", "frequency_penalty", "logprobs", "echo", "best_of"}
     declared = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
     assert declared == implemented | no_op_only

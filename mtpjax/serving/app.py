@@ -15,7 +15,8 @@ Request flow:
   3. stream `Delta`s as SSE chunks or collect them; chat output goes through the reasoning
      split (`<think>...</think>` -> `reasoning_content`, as vLLM's qwen3 parser), then, for a
      request with tools (tool_choice "auto"), the tool-call parser (`tool_parser`: qwen3_coder
-     XML -> `tool_calls`, finish_reason "tool_calls");
+     XML -> `tool_calls`, finish_reason "tool_calls"); a `response_format` json_object /
+     json_schema request decodes under its grammar (mtpjax/grammar.py), so its content is JSON;
   4. a client that disconnects cancels its request: its pages return at the next engine step.
 """
 
@@ -371,6 +372,10 @@ def load_server(cfg: ServerConfig, warmup: Callable[[Any], None] | None = None) 
         num_pages=cfg.num_pages or None, kernels=cfg.kernels, weights=cfg.weights,
         mtp_weights=cfg.mtp_weights, prefix_cache=cfg.prefix_cache,
         speculation_policy="adaptive" if cfg.adaptive else "fixed")
+    try:      # structured output's tokenizer, built now rather than at the first such request
+        engine.grammar_tokenizer
+    except Exception:   # noqa: BLE001  (each constrained request then ends with the error)
+        pass
     if cfg.warmup:
         (warmup or (lambda e: e.warmup()))(engine)
     name = cfg.served_model_name or os.path.basename(os.path.normpath(path))

@@ -12,6 +12,10 @@ with a seed gets the tokens `TextEngine` gives the same prompt and seed), max_to
 of the context for chat and 16 for completions. Chat stops on the tokenizer's `<|im_end|>` /
 `<|endoftext|>` as well. Tools: with tool_choice "auto" (the default) the template renders them
 and `ParsedRequest.tools` asks the app to parse calls; "none" renders the chat without them.
+Structured output: `response_format` json_object / json_schema becomes the request's grammar
+(`response_grammar`, SamplingParams.grammar): the content is JSON (following the schema),
+after free reasoning when thinking is on; a schema llguidance cannot compile is a 400 on
+'response_format'.
 """
 
 from __future__ import annotations
@@ -58,7 +62,8 @@ def check_model(body: Any, limits: ServerLimits) -> None:
 def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: int,
                     limits: ServerLimits, max_field: str, max_tokens: int | None,
                     default_max: int | None, prompt_field: str,
-                    stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+                    stop_token_ids: tuple[int, ...] = (),
+                    grammar: str | None = None) -> SamplingParams:
     """SamplingParams of a validated request. max_tokens: what the client asked for (None:
     default_max, capped by the context; None again: the rest of the context)."""
     room = limits.max_seq_len - prompt_len
@@ -73,7 +78,26 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
                           max_new_tokens=max_tokens if max_tokens is not None else
                           room if default_max is None else min(default_max, room),
                           seed=secrets.randbits(32) if req.seed is None else req.seed,
-                          stop_token_ids=stop_token_ids)
+                          stop_token_ids=stop_token_ids, grammar=grammar)
+
+
+def response_grammar(req: ChatCompletionRequest) -> str | None:
+    """The grammar of a chat request's response_format (None: free text): any JSON object, or
+    JSON following the json_schema's schema; with thinking on, free reasoning up to
+    `</think>` first (mtpjax/grammar.py). 400 on 'response_format' for a schema llguidance
+    cannot compile."""
+    rf = req.response_format
+    if rf is None or rf.type == "text":
+        return None
+    from mtpjax import grammar
+    schema = {"type": "object"} if rf.type == "json_object" else rf.json_schema.schema_or_any
+    try:
+        return (grammar.after_thinking(schema) if req.enable_thinking
+                else grammar.json_schema_grammar(schema))
+    except ValueError as e:
+        where = "response_format" if rf.type == "json_object" else \
+            "response_format.json_schema.schema"
+        raise APIError(f"'{where}': {e}", "response_format") from None
 
 
 def render_chat(req: ChatCompletionRequest, template: ChatTemplate) -> str:
@@ -95,7 +119,7 @@ def parse_chat(body: Any, limits: ServerLimits, tokenizer,
     ids = tokenizer.encode(render_chat(req, template))
     field, max_tokens = req.max_new_tokens
     params = sampling_params(req, len(ids), limits, field, max_tokens, None, "messages",
-                             tokenizer.stop_ids())
+                             tokenizer.stop_ids(), response_grammar(req))
     return ParsedRequest(ids, params, req.stop, req.stream, req.include_usage,
                          req.enable_thinking, req.skip_special_tokens, req.active_tools)
 

@@ -3,9 +3,11 @@
 Why strict models: a client (an agent framework, most often) that sends a field this server
 does not implement must hear so, not get an answer that quietly ignored it. So every model
 forbids unknown fields, and the OpenAI fields the engine does not implement yet are either left
-out (a 400 "'response_format' is not supported by this server") or declared with only their
+out (a 400 "'logit_bias' is not supported by this server") or declared with only their
 no-op value allowed (`n` = 1, penalties = 0, `logprobs` false), which clients often send
 explicitly; of tool calling, `tool_choice` "required" and named functions are refused.
+Structured output: `response_format` {"type": "text" | "json_object" | "json_schema"} (chat);
+the JSON ones constrain decoding with a grammar (parsing.response_grammar, mtpjax/grammar.py).
 Validation is strict (no "1" -> 1, no true -> 1): a number is a JSON number.
 
 `validate_request(cls, body)` turns the first pydantic error into an `APIError` (HTTP 400) whose
@@ -27,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 # "not supported" rather than "unknown". Any other extra field is refused as unknown.
 NOT_SUPPORTED = frozenset({
     "audio", "function_call", "functions", "logit_bias", "metadata", "modalities",
-    "parallel_tool_calls", "prediction", "reasoning_effort", "response_format", "service_tier",
+    "parallel_tool_calls", "prediction", "reasoning_effort", "service_tier",
     "store", "suffix", "top_logprobs", "user", "web_search_options", "verbosity",
     "prompt_cache_key", "safety_identifier", "min_p", "repetition_penalty", "min_tokens",
     "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "guided_json", "guided_regex",
@@ -151,6 +153,35 @@ class Tool(_Strict):
     function: FunctionDefinition
 
 
+# ------------------------------------------------------------------------- structured output
+class JsonSchemaFormat(_Strict):
+    """OpenAI's response_format.json_schema: the reply is JSON following `schema`. Decoding is
+    always constrained by it (so `strict` false or absent is served as strict)."""
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_-]+$")
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+    @property
+    def schema_or_any(self) -> dict:
+        return {"type": "object"} if self.schema_ is None else self.schema_
+
+
+class ResponseFormat(_Strict):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def schema_with_its_type(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("type \"json_schema\" needs 'json_schema': {\"name\": ..., "
+                             "\"schema\": {...}}")
+        if self.type != "json_schema" and self.json_schema is not None:
+            raise ValueError(f"'json_schema' belongs to type \"json_schema\", not "
+                             f"\"{self.type}\"")
+        return self
+
+
 # ----------------------------------------------------------------------------------- requests
 class StreamOptions(_Strict):
     include_usage: bool = False
@@ -209,6 +240,7 @@ class ChatCompletionRequest(_Sampling):
     # constrained decoding: refused.
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto"] | None = Field(None, description='"auto" or "none"')
+    response_format: ResponseFormat | None = None
 
     @field_validator("tool_choice", mode="before")
     @classmethod

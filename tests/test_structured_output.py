@@ -1,0 +1,337 @@
+"""Structured output (mtpjax/grammar.py): grammar-constrained decoding through llguidance, exact
+under speculation.
+
+On the bundled tiny checkpoint (a small Python-code model: its JSON is poor, the grammar makes
+it valid): the speculative engine's constrained output equals the stock engine's constrained
+output token for token, greedy and seeded; every reply parses and matches its schema, and
+without the grammar it does not. The host-side mask builder gives each verify row the grammar
+state after the drafts before it, and all-allowed rows past a draft the grammar rejects. The
+server maps response_format json_object / json_schema onto the grammar.
+"""
+
+import dataclasses
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+
+import mtpjax
+from mtpjax import grammar, steps
+from mtpjax.sampling import SamplingParams
+from mtpjax.text import Tokenizer
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CKPT = os.path.join(REPO, "checkpoints", "tiny")
+K = 3
+ENGINE = dict(max_lanes=3, max_seq_len=128, prefill_chunk=32, prefill_buckets=[32])
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 10},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "ok": {"type": "boolean"},
+        "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 3},
+    },
+    "required": ["name", "age", "ok", "tags"],
+    "additionalProperties": False,
+}
+TEXTS = ["def f(x):\n    return", "# a JSON record\nrecord = ", "import os\n"]
+_ENGINES = {}
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return Tokenizer.from_checkpoint(CKPT)
+
+
+def engine(k):
+    if k not in _ENGINES:
+        _ENGINES[k] = mtpjax.Engine.from_checkpoint(CKPT, num_speculative_tokens=k, **ENGINE)
+    return _ENGINES[k]
+
+
+def matches(v, schema=SCHEMA) -> bool:
+    """The few JSON-schema keywords SCHEMA uses."""
+    if "enum" in schema:
+        return v in schema["enum"]
+    t = schema.get("type")
+    if t == "object":
+        props = schema.get("properties", {})
+        return (isinstance(v, dict) and set(schema.get("required", ())) <= set(v)
+                and (schema.get("additionalProperties", True) or set(v) <= set(props))
+                and all(matches(v[p], props[p]) for p in v if p in props))
+    if t == "array":
+        return (isinstance(v, list) and len(v) <= schema.get("maxItems", len(v))
+                and all(matches(x, schema["items"]) for x in v))
+    if t == "string":
+        return isinstance(v, str) and len(v) <= schema.get("maxLength", len(v))
+    if t == "integer":
+        return (isinstance(v, int) and not isinstance(v, bool)
+                and schema.get("minimum", v) <= v <= schema.get("maximum", v))
+    if t == "boolean":
+        return isinstance(v, bool)
+    return True
+
+
+PARAMS = [SamplingParams(max_new_tokens=80)] + [
+    SamplingParams(temperature=1.0, seed=s, max_new_tokens=80) for s in (1, 2, 3)]
+
+
+@pytest.fixture(scope="module")
+def runs(tok):
+    """{(k, params index): outputs over TEXTS}, constrained by SCHEMA's grammar."""
+    g = grammar.json_schema_grammar(SCHEMA)
+    prompts = [tok.encode(t) for t in TEXTS]
+    return {(k, i): engine(k).generate(prompts, dataclasses.replace(p, grammar=g))
+            for k in (0, K) for i, p in enumerate(PARAMS)}
+
+
+@pytest.mark.parametrize("i", range(len(PARAMS)), ids=["greedy", "seed1", "seed2", "seed3"])
+def test_speculative_constrained_equals_plain_constrained(runs, tok, i):
+    plain, spec = runs[(0, i)], runs[(K, i)]
+    for a, b in zip(plain, spec):
+        assert b.token_ids == a.token_ids
+        assert b.finish_reason == a.finish_reason == "stop", (a.finish_reason, a.error)
+        v = json.loads(tok.decode(a.token_ids))
+        assert matches(v), v
+
+
+def test_speculation_ran_and_drafts_were_rejected_and_accepted(runs):
+    outs = [o for i in range(len(PARAMS)) for o in runs[(K, i)]]
+    drafted = sum(o.stats.drafted_tokens for o in outs)
+    accepted = sum(o.stats.accepted_tokens for o in outs)
+    assert 0 < accepted < drafted, (accepted, drafted)
+
+
+def test_without_the_grammar_the_output_is_no_json(tok):
+    outs = engine(0).generate([tok.encode(t) for t in TEXTS], SamplingParams(max_new_tokens=40))
+    for o in outs:
+        with pytest.raises(json.JSONDecodeError):
+            json.loads(tok.decode(o.token_ids))
+
+
+def test_constrained_requests_add_no_program(tok):
+    """The masks are an input of every decode program: constrained and unconstrained steps, in
+    one batch or apart, run the same compiled programs."""
+    e = engine(K)
+    prompts = [tok.encode(t) for t in TEXTS]
+    g = grammar.json_object_grammar()
+    e.generate(prompts, SamplingParams(max_new_tokens=12))
+    before = steps.decode_step._cache_size()
+    mixed = [SamplingParams(max_new_tokens=12, grammar=g), SamplingParams(max_new_tokens=12),
+             SamplingParams(temperature=1.0, seed=4, max_new_tokens=12, grammar=g)]
+    outs = e.generate(prompts, mixed)
+    assert steps.decode_step._cache_size() == before
+    assert tok.decode(outs[0].token_ids).startswith("{")
+
+
+def test_grammar_errors():
+    with pytest.raises(ValueError, match="invalid JSON schema"):
+        grammar.json_schema_grammar({"type": "objectx"})
+    with pytest.raises(ValueError, match="not valid JSON"):
+        grammar.json_schema_grammar("{oops")
+    with pytest.raises(ValueError, match="grammar"):
+        SamplingParams(grammar=3)
+    with pytest.raises(ValueError, match="invalid grammar"):
+        grammar.check_grammar("not a grammar {")
+
+
+def test_a_grammar_needs_a_grammar_tokenizer(tok):
+    e = engine(0)
+    src, e._grammar_src, e._grammar_tok = e._grammar_src, None, None
+    try:
+        (out,) = e.generate([tok.encode("x = ")], SamplingParams(
+            grammar=grammar.json_object_grammar()))
+    finally:
+        e._grammar_src = src
+    assert out.finish_reason == "error" and "grammar tokenizer" in out.error
+
+
+# ------------------------------------------------------------------------- the mask builder
+@pytest.fixture(scope="module")
+def llt(tok):
+    return grammar.make_tokenizer(CKPT, 4096, tok.stop_ids())
+
+
+def _allowed_ids(mask):
+    return set(np.flatnonzero(grammar.unpack(mask, 4096)).tolist())
+
+
+def test_step_masks_follow_the_drafts_and_stop_at_a_rejected_one(tok, llt):
+    c = grammar.Constraint(llt, grammar.json_schema_grammar(SCHEMA), 4096)
+    brace, quote, name = tok.encode("{")[0], tok.encode('"')[0], tok.token_to_id("name")
+    bad = tok.encode("x")[0]
+    assert name is not None
+    before = c.mask().copy()
+    assert _allowed_ids(before) == {brace}
+    m = c.step_masks([brace, quote, bad, quote], stops=frozenset(tok.stop_ids()))
+    assert m.shape == (5, grammar.words(4096))
+    assert _allowed_ids(m[0]) == {brace}
+    assert _allowed_ids(m[1]) == {quote}                # '{' then '"name"...' (compact layout)
+    row2 = _allowed_ids(m[2])
+    assert name in row2 and bad not in row2             # after '{"': the key, not "x"
+    # draft 3 ("x") is rejected by row 2: rows 3 and 4 can never be emitted: all allowed
+    assert (m[3] == -1).all() and (m[4] == -1).all()
+    # the matcher is where it was
+    np.testing.assert_array_equal(c.mask(), before)
+    # a stop token is allowed only where the grammar accepts; rows after it are all allowed
+    stop = tok.stop_ids()[0]
+    assert stop not in _allowed_ids(m[0])
+    json_obj = grammar.Constraint(llt, grammar.json_object_grammar(), 4096)
+    for t in tok.encode("{}"):
+        assert json_obj.consume(t) is None
+    assert json_obj.stopped
+
+
+def test_masked_verify_samples_only_allowed_tokens():
+    """apply_bitmask -> sampling.verify: greedy takes the masked argmax, sampled draws never
+    leave the mask, and an all -1 mask changes nothing."""
+    from mtpjax import sampling
+    rng = np.random.default_rng(0)
+    B, k1, V = 2, 3, 70
+    logits = jax.numpy.asarray(rng.normal(size=(B, k1, V)).astype(np.float32))
+    allow = rng.random((B, k1, V)) < 0.2
+    allow[..., 5] = True
+    packed = np.packbits(np.pad(allow, ((0, 0), (0, 0), (0, 96 - V))), axis=-1,
+                         bitorder="little").view(np.int32)
+    np.testing.assert_array_equal(grammar.unpack(packed, V), allow)
+    masked = grammar.apply_bitmask(logits, jax.numpy.asarray(packed))
+    assert np.isneginf(np.asarray(masked)[~allow]).all()
+    np.testing.assert_array_equal(np.asarray(masked)[allow], np.asarray(logits)[allow])
+    drafts = jax.numpy.full((B, k1 - 1), 5, jax.numpy.int32)
+    for temp in (0.0, 1.0):
+        for seed in range(20):
+            lanes = sampling.LaneSampling.from_params(
+                [SamplingParams(temperature=temp, seed=seed)] * B)
+            _, toks = sampling.verify(masked, drafts, lanes, jax.numpy.arange(B) + 7)
+            for b, row in enumerate(np.asarray(toks)):
+                for j, t in enumerate(row):
+                    if t >= 0:
+                        assert allow[b, j, t]
+                        if temp == 0:
+                            assert t == np.argmax(np.where(allow[b, j], logits[b, j], -np.inf))
+    ones = jax.numpy.full((B, k1, 3), -1, jax.numpy.int32)
+    np.testing.assert_array_equal(np.asarray(grammar.apply_bitmask(logits, ones)), logits)
+    assert not bool(grammar.constrained(ones)) and bool(grammar.constrained(packed))
+
+
+def test_thinking_grammar_allows_reasoning_then_json(tok, llt):
+    g = grammar.after_thinking(SCHEMA)
+    ok = 'hmm, a </ thing\n</think>\n\n{"name": "x", "age": 3, "ok": true, "tags": ["a"]}'
+    c = grammar.Constraint(llt, g, 4096)
+    for t in tok.encode(ok):
+        assert c.consume(t) is None, tok.decode([t])
+    assert c.stopped
+    c = grammar.Constraint(llt, g, 4096)
+    errs = [c.consume(t) for t in tok.encode("x</think>\n\nnope")]
+    assert any(errs)
+
+
+# ------------------------------------------------------------------------------- the server
+@pytest.fixture(scope="module")
+def http(tok):
+    """The app on the K-draft engine (in process, FastAPI's TestClient)."""
+    from fastapi.testclient import TestClient
+    from mtpjax.serving.app import Server, build_app
+    from mtpjax.serving.chat_template import load_chat_template
+    from mtpjax.serving.online import OnlineEngine
+    from mtpjax.serving.parsing import ServerLimits
+    online = OnlineEngine(engine(K), tok).start()
+    try:
+        yield TestClient(build_app(Server(online, tok, ServerLimits("tiny", 4096, 128),
+                                          load_chat_template(CKPT))))
+    finally:
+        online.shutdown()
+
+
+def _chat(http, response_format, thinking=False, **extra):
+    return http.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": [{"role": "user", "content": "Give me a record."}],
+        "response_format": response_format, "max_tokens": 90, "seed": 3,
+        "chat_template_kwargs": {"enable_thinking": thinking}, **extra})
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_server_json_schema(http, temperature):
+    r = _chat(http, {"type": "json_schema", "json_schema": {
+        "name": "record", "schema": SCHEMA, "strict": True}}, temperature=temperature)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop"
+    assert matches(json.loads(choice["message"]["content"]))
+
+
+def test_server_json_object(http):
+    r = _chat(http, {"type": "json_object"}, temperature=0.0, max_tokens=60)
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    content = choice["message"]["content"]
+    if choice["finish_reason"] == "stop":
+        assert isinstance(json.loads(content), dict)
+    else:                                 # cut by max_tokens: a JSON object's beginning
+        assert choice["finish_reason"] == "length" and content.startswith("{")
+
+
+def test_server_text_format_is_free(http):
+    r = _chat(http, {"type": "text"}, temperature=0.0, max_tokens=8)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("fmt, match", [
+    ({"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "objectx"}}},
+     "response_format.json_schema.schema"),
+    ({"type": "json_schema"}, "needs 'json_schema'"),
+    ({"type": "json_schema", "json_schema": {"schema": {}}}, "name"),
+    ({"type": "yaml"}, "response_format"),
+    ({"type": "json_object", "extra": 1}, "response_format"),
+])
+def test_server_bad_response_format_is_a_400_naming_it(http, fmt, match):
+    r = _chat(http, fmt)
+    assert r.status_code == 400, r.text
+    err = r.json()["error"]
+    assert err["param"] == "response_format" and match in err["message"], err
+
+
+def test_parsing_maps_response_format_to_the_grammar(tok):
+    from mtpjax.serving.chat_template import load_chat_template
+    from mtpjax.serving.parsing import ServerLimits, parse_chat
+    template, limits = load_chat_template(CKPT), ServerLimits("tiny", 4096, 128)
+
+    def parsed(rf, thinking):
+        return parse_chat({"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                           "response_format": rf,
+                           "chat_template_kwargs": {"enable_thinking": thinking}},
+                          limits, tok, template).params.grammar
+    assert parsed({"type": "text"}, False) is None
+    assert parsed({"type": "json_object"}, False) == grammar.json_object_grammar()
+    rf = {"type": "json_schema", "json_schema": {"name": "r", "schema": SCHEMA, "strict": True}}
+    assert parsed(rf, False) == grammar.json_schema_grammar(SCHEMA)
+    assert parsed(rf, True) == grammar.after_thinking(SCHEMA)
+
+
+def test_tool_call_grammar_parses_and_follows_the_schema(tok, llt):
+    """The building block for tool_choice "required" / a named function (not wired into the
+    server yet): a qwen3_coder XML call the tool parser reads, with the schema's required
+    parameters and typed values."""
+    from mtpjax.serving.tool_parser import parse_tool_calls
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"},
+                                         "days": {"type": "integer", "minimum": 1,
+                                                  "maximum": 7}},
+        "required": ["city", "days"]}}}, {"type": "function", "function": {"name": "noop"}}]
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+            "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+    c = grammar.Constraint(llt, grammar.tool_call_grammar(tools), 4096)
+    assert all(c.consume(t) is None for t in tok.encode(text)) and c.stopped
+    _, calls = parse_tool_calls(text, tools)
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris", "days": 3}
+    for bad in ("<tool_call>\n<function=get_weather>\n<parameter=days>\n",      # city missing
+                "<tool_call>\n<function=get_weather>\n<parameter=city>\nP\n</parameter>\n"
+                "<parameter=days>\n9",                                          # days > 7
+                "<tool_call>\n<function=noop>\n"):                              # not named
+        c = grammar.Constraint(llt, grammar.tool_call_grammar(tools, "get_weather"), 4096)
+        assert any(c.consume(t) for t in tok.encode(bad)), bad
+    with pytest.raises(ValueError, match="no tool named"):
+        grammar.tool_call_grammar(tools, "nope")
