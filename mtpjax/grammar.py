@@ -113,13 +113,14 @@ def after_thinking(schema: dict | str) -> str:
     """A thinking model's grammar for a JSON reply: free reasoning text up to the first
     `</think>` (the chat template opened `<think>` in the prompt), a blank line, then JSON
     following the schema (laid out as JSON_LAYOUT says). The reasoning cannot contain
-    `</think>` before its end."""
+    `</think>` before its end. (`suffix=`, not `stop=`: llguidance cannot roll back a
+    `stop=` lexeme, and speculative decoding rolls the matcher back after every step.)"""
     json_schema_grammar(schema)          # the schema's own errors, named as such
     if isinstance(schema, str):
         schema = json.loads(schema)
     schema = {**schema, "x-guidance": {**JSON_LAYOUT, **schema.get("x-guidance", {})}}
     lark = (f'start: think "\\n\\n" json\n'
-            f'think[stop={json.dumps(THINK_END)}]: /(?s:.*)/\n'
+            f'think[suffix={json.dumps(THINK_END)}]: /(?s:.*)/\n'
             f'json: %json {json.dumps(schema)}\n')
     return check_grammar(_llg().LLMatcher.grammar_from_lark(lark))
 
@@ -242,15 +243,28 @@ def _lark_str(s: str) -> str:
 
 def _param_rule(rule: str, pname: str, schema: Any) -> str:
     """Lark for one qwen3_coder `<parameter=P>` element: a string parameter's value is text
-    without "<" up to the closing tag; any other type's is JSON following its schema (what
+    without "<" up to the closing tag (one of its `enum` / its `const` when the schema has
+    them, within its minLength / maxLength when it has those: then a newline, which the parser
+    drops, before the tag); any other type's is JSON following its schema (what
     serving.tool_parser.convert_value reads back)."""
     types = schema.get("type") if isinstance(schema, dict) else None
     types = set(types) if isinstance(types, list) else ({types} if types else set())
     head = _lark_str(f"<parameter={pname}>\n")
+    tail = '"\\n</parameter>\\n"'
     if not types or "string" in types:     # free text without "<" (the closing tag's)
+        values = schema.get("enum") if "enum" in schema else (
+            [schema["const"]] if "const" in schema else None)
+        if isinstance(values, list) and values and all(isinstance(v, str) for v in values) \
+                and types <= {"string"}:
+            return f'{rule}: {head} ({" | ".join(_lark_str(v) for v in values)}) {tail}\n'
+        lo, hi = schema.get("minLength"), schema.get("maxLength")
+        if types == {"string"} and (isinstance(lo, int) or isinstance(hi, int)):
+            lo = lo if isinstance(lo, int) and lo > 0 else 0
+            hi = f"{hi}" if isinstance(hi, int) and hi >= 0 else ""
+            return f'{rule}: {head} /[^<]{{{lo},{hi}}}/ {tail}\n'
         return f'{rule}: {head} /[^<]*/ "</parameter>\\n"\n'
     sub = {**schema, "x-guidance": {**JSON_LAYOUT, **schema.get("x-guidance", {})}}
-    return (f'{rule}: {head} {rule}_v "\\n</parameter>\\n"\n'
+    return (f'{rule}: {head} {rule}_v {tail}\n'
             f'{rule}_v: %json {json.dumps(sub)}\n')
 
 
@@ -291,7 +305,7 @@ def tool_call_grammar(tools: list[dict], name: str | None = None,
     call = f'call: "<tool_call>\\n" ({" | ".join(alts)}) "</tool_call>"\n'
     if thinking:
         start = (f'start: think "\\n\\n" call\n'
-                 f'think[stop={_lark_str(THINK_END)}]: /(?s:.*)/\n')
+                 f'think[suffix={_lark_str(THINK_END)}]: /(?s:.*)/\n')
     else:
         start = "start: call\n"
     lark = start + call + "".join(rules)

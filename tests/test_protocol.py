@@ -90,8 +90,17 @@ def test_tools_render_with_auto_and_not_with_none(tok, template):
                    {"tool_choice": "auto"}):
         r = parse_chat({"model": "tiny", "messages": MSGS, **fields}, wide, tok, template)
         assert r.tools is None and r.prompt_ids == plain.prompt_ids, fields
-    e = refused(lambda: chat(tok, template, tools=TOOLS, tool_choice="required"), "tool_choice")
-    assert "constrained decoding" in e.message
+    # "required" and a named function render and parse as "auto", under the tool-call grammar
+    from mtpjax import grammar
+    auto = parse_chat({"model": "tiny", "messages": MSGS, "tools": TOOLS}, wide, tok, template)
+    for choice, name in (("required", None),
+                         ({"type": "function", "function": {"name": "get_weather"}},
+                          "get_weather")):
+        r = parse_chat({"model": "tiny", "messages": MSGS, "tools": TOOLS, "tool_choice": choice},
+                       wide, tok, template)
+        assert r.tools == TOOLS and r.prompt_ids == auto.prompt_ids
+        assert r.params.grammar == grammar.tool_call_grammar(TOOLS, name, thinking=True)
+    assert auto.params.grammar is None
 
 
 def test_completion_defaults_and_prompts(tok):
@@ -150,6 +159,12 @@ def test_chat_content_parts_and_tool_history(tok, template):
     ({"tools": {"type": "function"}}, "tools"),
     ({"tool_choice": "required"}, "tool_choice"),
     ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "name": "get_weather"}},
+     "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}},
+     "response_format"),
     ({"tool_choice": "sometimes"}, "tool_choice"),
     ({"chat_template_kwargs": {"enable_thinking": "no"}}, "chat_template_kwargs"),
     ({"chat_template_kwargs": {"tools": []}}, "chat_template_kwargs"),

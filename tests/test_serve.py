@@ -338,7 +338,8 @@ def test_chat_with_tool_calls_in_its_history(client):
 def test_tools_reach_the_template(live, client):
     """With tools, tool_choice "auto" renders them (the tools' system turn does not fit this
     server's 128-token context: a 400 that proves it was rendered); "none" leaves them out and
-    answers normally; "required" is refused by name. Parsing calls out of the output is
+    answers normally; a named function that is not among the tools is refused by name. Forced
+    calls ("required", named) and parsing calls out of the output are
     tests/test_serve_tools.py's (the tiny model's text is random)."""
     url = live + "/v1/chat/completions"
     msgs = [{"role": "user", "content": "Weather?"}]
@@ -351,8 +352,9 @@ def test_tools_reach_the_template(live, client):
     plain = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=4, seed=1)
     assert r.usage.prompt_tokens == plain.usage.prompt_tokens
     e = error_of(*http(url, {"model": "tiny", "messages": msgs, "tools": [TOOL],
-                             "tool_choice": "required"}), 400, "tool_choice")
-    assert "constrained decoding" in e["message"]
+                             "tool_choice": {"type": "function", "function": {"name": "nope"}}}),
+                 400, "tool_choice")
+    assert "not one of 'tools'" in e["message"]
 
 
 METRIC_LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{([^}]*)\})? (\S+)$')

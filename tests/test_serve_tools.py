@@ -1,11 +1,19 @@
 """Tool calls in chat responses (mtpjax/serving/app.py on tool_parser): the tiny model's text is
 random, so fixed generated texts go through the app's response builders -- the non-streamed
 body (`final_body`) and the SSE events (`chat_chunks`) -- and must read as OpenAI's client
-types, the stream reassembling to the non-streamed message."""
+types, the stream reassembling to the non-streamed message.
+
+tool_choice "required" and a named function constrain decoding (grammar.tool_call_grammar), so
+there even the tiny model's reply is a call: end to end on the bundled checkpoint (the app on a
+speculative engine, FastAPI's TestClient), the reply is a parsed call, finish_reason
+"tool_calls", streamed or not, whose arguments follow the function's schema; the speculative
+engine's call is the plain engine's, token for token.
+"""
 
 import asyncio
 import dataclasses
 import json
+import os
 
 import pytest
 from openai.types.chat import ChatCompletion, ChatCompletionChunk
@@ -13,6 +21,7 @@ from openai.types.chat import ChatCompletion, ChatCompletionChunk
 from mtpjax.serving.app import chat_chunks, final_body
 from mtpjax.serving.parsing import ParsedRequest
 from mtpjax.serving.online import Delta
+from mtpjax.serving.tool_parser import parse_tool_calls
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"},
@@ -135,3 +144,186 @@ def test_no_call_unclosed_call_and_no_tools_are_plain_content():
         assert b["choices"][0]["finish_reason"] == finish
         got, got_finish = reassemble(stream(text, tools=tools, finish=finish))
         assert (got["content"], got["tool_calls"], got_finish) == (text, [], finish)
+
+
+# ------------------------------------------------- tool_choice "required" / named, end to end
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CKPT = os.path.join(REPO, "checkpoints", "tiny")
+# The tools' system turn is ~320 tokens: a 512-token context leaves room for the call.
+ENGINE = dict(max_lanes=2, max_seq_len=512, prefill_chunk=64, prefill_buckets=[64])
+K = 3
+WEATHER = {"type": "object", "properties": {
+    "city": {"type": "string", "maxLength": 20},
+    "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]},
+    "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+    "required": ["city", "days"], "additionalProperties": False}
+FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+                {"type": "function", "function": {"name": "noop", "description": "Nothing."}}]
+SCHEMAS = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"})
+           for t in FORCED_TOOLS}
+_ENGINES = {}
+
+
+def matches(v, schema) -> bool:
+    """The JSON-schema keywords FORCED_TOOLS use."""
+    if "enum" in schema and v not in schema["enum"]:
+        return False
+    t = schema.get("type")
+    if t == "object":
+        props = schema.get("properties", {})
+        return (isinstance(v, dict) and set(schema.get("required", ())) <= set(v)
+                and (schema.get("additionalProperties", True) or set(v) <= set(props))
+                and all(matches(v[p], props[p]) for p in v if p in props))
+    if t == "string":
+        return isinstance(v, str) and len(v) <= schema.get("maxLength", len(v))
+    if t == "integer":
+        return (isinstance(v, int) and not isinstance(v, bool)
+                and schema.get("minimum", v) <= v <= schema.get("maximum", v))
+    return True
+
+
+def test_the_validator_refuses_what_the_schema_does():
+    assert matches({"city": "Oslo", "days": 3, "unit": "celsius"}, WEATHER)
+    for bad in ({"city": "Oslo"}, {"city": "Oslo", "days": 9}, {"city": "x" * 21, "days": 1},
+                {"city": "Oslo", "days": 1, "unit": "kelvin"}, {"city": 1, "days": 1},
+                {"city": "Oslo", "days": 1, "wind": True}, {"city": "Oslo", "days": True}):
+        assert not matches(bad, WEATHER), bad
+
+
+def engine(k):
+    import mtpjax
+    if k not in _ENGINES:
+        _ENGINES[k] = mtpjax.Engine.from_checkpoint(CKPT, num_speculative_tokens=k, **ENGINE)
+    return _ENGINES[k]
+
+
+def test_speculative_forced_call_equals_plain():
+    """One seeded "required" request: the K-draft engine's tokens are the plain engine's. (Runs
+    before the `served` fixture opens the K-draft engine's online session.)"""
+    from mtpjax.serving.chat_template import load_chat_template
+    from mtpjax.serving.parsing import ServerLimits, parse_chat
+    from mtpjax.text import Tokenizer
+    tok, template = Tokenizer.from_checkpoint(CKPT), load_chat_template(CKPT)
+    r = parse_chat(forced_body("required", temperature=1.0, seed=11), ServerLimits(
+        "tiny", 4096, ENGINE["max_seq_len"]), tok, template)
+    (spec,) = engine(K).generate([r.prompt_ids], r.params)
+    (plain,) = engine(0).generate([r.prompt_ids], r.params)
+    assert spec.token_ids == plain.token_ids and spec.finish_reason == "stop"
+    assert spec.stats.drafted_tokens > 0
+    _, calls = parse_tool_calls(tok.decode(spec.token_ids), FORCED_TOOLS)
+    check_call(calls[0])
+
+
+@pytest.fixture(scope="module")
+def served():
+    """(TestClient of the app on the K-draft engine, its tokenizer, its chat template)."""
+    from fastapi.testclient import TestClient
+    from mtpjax.serving.app import Server, build_app
+    from mtpjax.serving.chat_template import load_chat_template
+    from mtpjax.serving.online import OnlineEngine
+    from mtpjax.serving.parsing import ServerLimits
+    from mtpjax.text import Tokenizer
+    tok, template = Tokenizer.from_checkpoint(CKPT), load_chat_template(CKPT)
+    online = OnlineEngine(engine(K), tok).start()
+    try:
+        yield TestClient(build_app(Server(online, tok, ServerLimits("tiny", 4096,
+                                                                    ENGINE["max_seq_len"]),
+                                          template))), tok, template
+    finally:
+        online.shutdown()
+
+
+def forced_body(choice, **extra):
+    return {"model": "tiny", "messages": [{"role": "user", "content": "Weather in Oslo?"}],
+            "tools": FORCED_TOOLS, "tool_choice": choice, "max_tokens": 110, "seed": 3,
+            "chat_template_kwargs": {"enable_thinking": False}, **extra}
+
+
+def post(http, body):
+    r = http.post("/v1/chat/completions", json=body)
+    if not body.get("stream"):
+        return r.status_code, r.json()
+    assert r.status_code == 200, r.text
+    events = [e for e in r.text.split("\n\n") if e]
+    assert events[-1] == "data: [DONE]"
+    chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
+    for c in chunks:
+        ChatCompletionChunk.model_validate(c)
+    return 200, chunks
+
+
+def check_call(call, name=None):
+    fn = call["function"]
+    assert fn["name"] in SCHEMAS and (name is None or fn["name"] == name), fn
+    args = json.loads(fn["arguments"])
+    assert matches(args, SCHEMAS[fn["name"]]), args
+    return fn["name"], args
+
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+@pytest.mark.parametrize("choice", ["required", NAMED,
+                                    {"type": "function", "function": {"name": "noop"}}],
+                         ids=["required", "named", "named_noop"])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_forced_call_is_a_parsed_call_following_the_schema(served, choice, temperature):
+    http = served[0]
+    status, b = post(http, forced_body(choice, temperature=temperature))
+    assert status == 200, b
+    ChatCompletion.model_validate(b)
+    (c,) = b["choices"]
+    assert c["finish_reason"] == "tool_calls", c
+    assert c["message"]["content"] is None
+    (call,) = c["message"]["tool_calls"]
+    name, args = check_call(call, None if choice == "required" else
+                            choice["function"]["name"])
+    if name == "noop":
+        assert args == {}
+    _, chunks = post(http, forced_body(choice, temperature=temperature, stream=True))
+    msg, finish = reassemble(chunks)
+    assert finish == "tool_calls" and msg["content"] == ""
+    assert without_ids(msg["tool_calls"]) == without_ids(c["message"]["tool_calls"])
+
+
+@pytest.mark.parametrize("fields, param, match", [
+    ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
+    ({"tool_choice": NAMED}, "tool_choice", "needs 'tools'"),
+    ({"tools": [], "tool_choice": "required"}, "tool_choice", "needs 'tools'"),
+    ({"tools": FORCED_TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}},
+     "tool_choice", "not one of 'tools'"),
+    ({"tools": FORCED_TOOLS, "tool_choice": {"type": "function"}}, "tool_choice", "function"),
+    ({"tools": FORCED_TOOLS, "tool_choice": "sometimes"}, "tool_choice", "required"),
+    ({"tools": FORCED_TOOLS, "tool_choice": "required", "response_format": {
+        "type": "json_object"}}, "response_format", "tool_choice"),
+    ({"tools": FORCED_TOOLS, "tool_choice": NAMED, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "r", "schema": {}}}},
+     "response_format", "one grammar per request"),
+])
+def test_forced_call_errors_are_a_400_naming_the_field(served, fields, param, match):
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], **fields}
+    status, b = post(served[0], body)
+    assert status == 400, b
+    err = b["error"]
+    assert err["param"] == param and f"'{param}'" in err["message"], err
+    assert match in err["message"], err
+
+
+def test_forced_call_grammar_follows_thinking(served):
+    """The parsed request's grammar is tool_call_grammar(tools, name, thinking) and the tools
+    are rendered and parsed as with "auto"."""
+    from mtpjax import grammar
+    from mtpjax.serving.parsing import ServerLimits, parse_chat
+    _, tok, template = served
+    limits = ServerLimits("tiny", 4096, ENGINE["max_seq_len"])
+    auto = parse_chat(forced_body("auto"), limits, tok, template)
+    assert auto.params.grammar is None
+    for choice, name in (("required", None), (NAMED, "get_weather")):
+        for thinking in (False, True):
+            r = parse_chat(forced_body(choice, chat_template_kwargs={
+                "enable_thinking": thinking}), limits, tok, template)
+            assert r.params.grammar == grammar.tool_call_grammar(FORCED_TOOLS, name,
+                                                                 thinking=thinking)
+            assert r.tools == FORCED_TOOLS
+            if not thinking:
+                assert r.prompt_ids == auto.prompt_ids

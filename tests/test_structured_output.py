@@ -312,9 +312,9 @@ def test_parsing_maps_response_format_to_the_grammar(tok):
 
 
 def test_tool_call_grammar_parses_and_follows_the_schema(tok, llt):
-    """The building block for tool_choice "required" / a named function (not wired into the
-    server yet): a qwen3_coder XML call the tool parser reads, with the schema's required
-    parameters and typed values."""
+    """The grammar of tool_choice "required" / a named function (served end to end in
+    tests/test_serve_tools.py): a qwen3_coder XML call the tool parser reads, with the schema's
+    required parameters and typed values."""
     from mtpjax.serving.tool_parser import parse_tool_calls
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
         "type": "object", "properties": {"city": {"type": "string"},
@@ -335,3 +335,38 @@ def test_tool_call_grammar_parses_and_follows_the_schema(tok, llt):
         assert any(c.consume(t) for t in tok.encode(bad)), bad
     with pytest.raises(ValueError, match="no tool named"):
         grammar.tool_call_grammar(tools, "nope")
+
+
+def test_tool_call_grammar_string_constraints(tok, llt):
+    """A string parameter's enum / const / maxLength bound its value (free text otherwise)."""
+    from mtpjax.serving.tool_parser import parse_tool_calls
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"u": {"type": "string", "enum": ["c", "f"]},
+                                         "s": {"type": "string", "maxLength": 3}},
+        "required": ["u", "s"]}}}]
+    g = grammar.tool_call_grammar(tools)
+    text = ("<tool_call>\n<function=f>\n<parameter=u>\nc\n</parameter>\n<parameter=s>\na\nb"
+            "\n</parameter>\n</function>\n</tool_call>")
+    c = grammar.Constraint(llt, g, 4096)
+    assert all(c.consume(t) is None for t in tok.encode(text)) and c.stopped
+    assert json.loads(parse_tool_calls(text, tools)[1][0]["function"]["arguments"]) == \
+        {"u": "c", "s": "a\nb"}
+    for bad in ("<tool_call>\n<function=f>\n<parameter=u>\nk",
+                "<tool_call>\n<function=f>\n<parameter=u>\nc\n</parameter>\n<parameter=s>\n"
+                "abcd"):
+        c = grammar.Constraint(llt, g, 4096)
+        assert any(c.consume(t) for t in tok.encode(bad)), bad
+
+
+@pytest.mark.parametrize("which", ["json", "tool_call"])
+def test_thinking_grammars_roll_back(tok, llt, which):
+    """Speculative decoding rolls the matcher back after every step: the reasoning part of the
+    thinking grammars must allow it (llguidance refuses to roll back a `stop=` lexeme)."""
+    g = grammar.after_thinking(SCHEMA) if which == "json" else grammar.tool_call_grammar(
+        [{"type": "function", "function": {"name": "f"}}], thinking=True)
+    ids = tok.encode("a plan\n</think>\n\n")
+    c = grammar.Constraint(llt, g, 4096)
+    assert c.consume(ids[0]) is None
+    masks = c.step_masks(ids[1:])          # advances through the drafts and rolls back
+    assert all(grammar.allowed(masks[j], t) for j, t in enumerate(ids[1:]))
+    assert all(c.consume(t) is None for t in ids[1:])

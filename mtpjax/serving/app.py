@@ -14,7 +14,9 @@ Request flow:
      -> 400 before any byte of the response is sent);
   3. stream `Delta`s as SSE chunks or collect them; chat output goes through the reasoning
      split (`<think>...</think>` -> `reasoning_content`, as vLLM's qwen3 parser), then, for a
-     request with tools (tool_choice "auto"), the tool-call parser (`tool_parser`: qwen3_coder
+     request with tools (tool_choice "auto", "required" or a named function: the last two
+     decode under the tool-call grammar, so the call parses and its arguments follow the
+     schema), the tool-call parser (`tool_parser`: qwen3_coder
      XML -> `tool_calls`, finish_reason "tool_calls"); a `response_format` json_object /
      json_schema request decodes under its grammar (mtpjax/grammar.py), so its content is JSON;
   4. a client that disconnects cancels its request: its pages return at the next engine step.

@@ -12,6 +12,10 @@ with a seed gets the tokens `TextEngine` gives the same prompt and seed), max_to
 of the context for chat and 16 for completions. Chat stops on the tokenizer's `<|im_end|>` /
 `<|endoftext|>` as well. Tools: with tool_choice "auto" (the default) the template renders them
 and `ParsedRequest.tools` asks the app to parse calls; "none" renders the chat without them.
+"required" and a named function render and parse as "auto", and the request's grammar is one
+qwen3_coder tool call (of any of the tools, or of the named one) whose arguments follow the
+function's parameters schema, after free reasoning when thinking is on (`tool_grammar`,
+grammar.tool_call_grammar): the reply is that call, finish_reason "tool_calls".
 Structured output: `response_format` json_object / json_schema becomes the request's grammar
 (`response_grammar`, SamplingParams.grammar): the content is JSON (following the schema),
 after free reasoning when thinking is on; a schema llguidance cannot compile is a 400 on
@@ -48,7 +52,7 @@ class ParsedRequest:
     include_usage: bool
     enable_thinking: bool | None  # chat only; None for completions
     skip_special_tokens: bool
-    tools: list[dict] | None = None   # chat with tool_choice "auto": parse calls for these
+    tools: list[dict] | None = None   # chat with tools (not "none"): parse calls for these
 
 
 def check_model(body: Any, limits: ServerLimits) -> None:
@@ -100,6 +104,21 @@ def response_grammar(req: ChatCompletionRequest) -> str | None:
         raise APIError(f"'{where}': {e}", "response_format") from None
 
 
+def tool_grammar(req: ChatCompletionRequest) -> str | None:
+    """The grammar of a chat request's tool_choice (None: "auto", "none" or no tools): one
+    qwen3_coder tool call of any of the tools ("required") or of the named function, after free
+    reasoning up to `</think>` when thinking is on (grammar.tool_call_grammar). 400 on 'tools'
+    for a parameters schema llguidance cannot compile."""
+    forced, name = req.forced_tool
+    if not forced:
+        return None
+    from mtpjax import grammar
+    try:
+        return grammar.tool_call_grammar(req.active_tools, name, thinking=req.enable_thinking)
+    except ValueError as e:
+        raise APIError(f"'tools': {e}", "tools") from None
+
+
 def render_chat(req: ChatCompletionRequest, template: ChatTemplate) -> str:
     """The prompt text of a validated chat request (400 on 'messages' when the template
     refuses the conversation, on 'chat_template_kwargs' when it refuses a variable)."""
@@ -119,7 +138,7 @@ def parse_chat(body: Any, limits: ServerLimits, tokenizer,
     ids = tokenizer.encode(render_chat(req, template))
     field, max_tokens = req.max_new_tokens
     params = sampling_params(req, len(ids), limits, field, max_tokens, None, "messages",
-                             tokenizer.stop_ids(), response_grammar(req))
+                             tokenizer.stop_ids(), tool_grammar(req) or response_grammar(req))
     return ParsedRequest(ids, params, req.stop, req.stream, req.include_usage,
                          req.enable_thinking, req.skip_special_tokens, req.active_tools)
 

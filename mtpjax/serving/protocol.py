@@ -5,9 +5,10 @@ does not implement must hear so, not get an answer that quietly ignored it. So e
 forbids unknown fields, and the OpenAI fields the engine does not implement yet are either left
 out (a 400 "'logit_bias' is not supported by this server") or declared with only their
 no-op value allowed (`n` = 1, penalties = 0, `logprobs` false), which clients often send
-explicitly; of tool calling, `tool_choice` "required" and named functions are refused.
-Structured output: `response_format` {"type": "text" | "json_object" | "json_schema"} (chat);
-the JSON ones constrain decoding with a grammar (parsing.response_grammar, mtpjax/grammar.py).
+explicitly. Structured output: `response_format` {"type": "text" | "json_object" |
+"json_schema"} (chat); the JSON ones constrain decoding with a grammar
+(parsing.response_grammar, mtpjax/grammar.py), and so do `tool_choice` "required" and a named
+function (parsing.tool_grammar): one grammar per request, so these do not go together.
 Validation is strict (no "1" -> 1, no true -> 1): a number is a JSON number.
 
 `validate_request(cls, body)` turns the first pydantic error into an `APIError` (HTTP 400) whose
@@ -22,8 +23,8 @@ import dataclasses
 import json
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, \
-    model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, \
+    field_validator, model_validator
 
 # OpenAI (and vLLM) request fields this server knows of but does not implement: refused with
 # "not supported" rather than "unknown". Any other extra field is refused as unknown.
@@ -153,6 +154,19 @@ class Tool(_Strict):
     function: FunctionDefinition
 
 
+class NamedFunction(_Strict):
+    name: str = Field(min_length=1)
+
+
+class NamedToolChoice(_Strict):
+    """tool_choice {"type": "function", "function": {"name": NAME}}: call NAME."""
+    type: Literal["function"]
+    function: NamedFunction
+
+
+TOOL_CHOICES = ("none", "auto", "required")
+
+
 # ------------------------------------------------------------------------- structured output
 class JsonSchemaFormat(_Strict):
     """OpenAI's response_format.json_schema: the reply is JSON following `schema`. Decoding is
@@ -236,19 +250,67 @@ class ChatCompletionRequest(_Sampling):
                                                               "supported)")
     # Tool calling (qwen3_coder XML, `tool_parser`): "auto" (the default) renders the tools and
     # parses calls out of the output; "none" renders the chat without them (the model cannot
-    # call what it is not shown) and parses nothing. "required" and a named function need
-    # constrained decoding: refused.
+    # call what it is not shown) and parses nothing. "required" (a call of one of the tools)
+    # and a named function (a call of that one) render and parse as "auto" and constrain
+    # decoding to one such call whose arguments follow the function's parameters schema
+    # (grammar.tool_call_grammar).
     tools: list[Tool] | None = None
-    tool_choice: Literal["none", "auto"] | None = Field(None, description='"auto" or "none"')
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
 
     @field_validator("tool_choice", mode="before")
     @classmethod
-    def choice_is_free(cls, v: Any) -> Any:
-        if v == "required" or isinstance(v, dict):
-            raise ValueError(f"{_show(v)} needs constrained decoding, not supported yet "
-                             f"(\"auto\" or \"none\")")
+    def a_known_choice(cls, v: Any) -> Any:
+        if v is None or (isinstance(v, str) and v in TOOL_CHOICES):
+            return v
+        if isinstance(v, dict):
+            try:
+                return NamedToolChoice.model_validate(v)
+            except ValidationError as e:
+                err = e.errors(include_url=False)[0]
+                where = _path(tuple(err["loc"]))
+                raise ValueError(f"must be \"none\", \"auto\", \"required\" or {{\"type\": "
+                                 f"\"function\", \"function\": {{\"name\": ...}}}}; "
+                                 f"{where + ': ' if where else ''}"
+                                 f"{err['msg'].removeprefix('Value error, ')}") from None
+        raise ValueError(f"must be \"none\", \"auto\", \"required\" or {{\"type\": "
+                         f"\"function\", \"function\": {{\"name\": ...}}}}, got {_show(v)}")
+
+    @field_validator("tool_choice", mode="after")
+    @classmethod
+    def forced_calls_have_their_tool(cls, v: Any, info: ValidationInfo) -> Any:
+        if v is None or v in ("none", "auto"):
+            return v
+        tools = info.data.get("tools")
+        if "tools" not in info.data:      # the tools' own error is reported first
+            return v
+        what = "\"required\"" if v == "required" else f"function {v.function.name!r}"
+        if not tools:
+            raise ValueError(f"{what} needs 'tools' to call")
+        names = [t.function.name for t in tools]
+        if v != "required" and v.function.name not in names:
+            raise ValueError(f"names function {v.function.name!r}, which is not one of "
+                             f"'tools' ({', '.join(names)})")
         return v
+
+    @field_validator("response_format", mode="after")
+    @classmethod
+    def one_grammar(cls, v: ResponseFormat | None, info: ValidationInfo) -> Any:
+        choice = info.data.get("tool_choice")
+        if v is not None and v.type != "text" and choice not in (None, "none", "auto"):
+            raise ValueError(f"{v.type!r} cannot be combined with tool_choice "
+                             f"{_show(choice if isinstance(choice, str) else choice.model_dump())}"
+                             " (one grammar per request: the forced tool call's)")
+        return v
+
+    @property
+    def forced_tool(self) -> tuple[bool, str | None]:
+        """(whether decoding is constrained to a tool call, the function's name or None for
+        any of the tools)."""
+        c = self.tool_choice
+        if isinstance(c, NamedToolChoice):
+            return True, c.function.name
+        return c == "required", None
 
     @property
     def active_tools(self) -> list[dict] | None:
