@@ -169,18 +169,21 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
             raise ValueError(f"depths must lie in 0..K={K}, got {ds}")
     step_args = (cfg, params, cache, state, lane_sampling, active, table, join)
     step_kinds = (None, WEIGHT, CACHE, OTHER, OTHER, OTHER, OTHER, OTHER)
-    def masks(k):   # the grammar masks every engine decode step takes (all -1: none)
+    def masks(k):   # what every engine decode step takes: the grammar masks (all -1: none)
+        # and the per-lane extras (logprobs wanted, logit_bias; all off: none)
         m = _sds((B, k + 1, (cfg.vocab_size + 31) // 32), i32)
-        return m if mesh is None else _place(m, rep)
+        x = steps.Extras(_sds((B,), jnp.bool_), _sds((B, steps.LOGIT_BIAS_MAX), i32),
+                         _sds((B, steps.LOGIT_BIAS_MAX), f32))
+        return (m, x) if mesh is None else _place((m, x), rep)
     for k in depths:      # k MTP passes: the re-run over the accepted pairs + k - 1 chained
         progs.append(Program(
-            f"decode_k{k}", steps.decode_step, step_args + (None, masks(k)), dict(k=k, **kw),
-            step_kinds + (OTHER, OTHER),
+            f"decode_k{k}", steps.decode_step, step_args + (None, *masks(k)), dict(k=k, **kw),
+            step_kinds + (OTHER, OTHER, OTHER),
             Reads(1, k, k, B, max_seq_len, B, **price), dtype, mesh, ("decode", k, B)))
     for k in mixed_depths:   # the step's floor plus the chunk's lane: one more GDN slot
         progs.append(Program(
-            f"mixed_k{k}_t{T}", steps.decode_step, step_args + (chunk, masks(k)),
-            dict(k=k, **kw), step_kinds + (OTHER, OTHER),
+            f"mixed_k{k}_t{T}", steps.decode_step, step_args + (chunk, *masks(k)),
+            dict(k=k, **kw), step_kinds + (OTHER, OTHER, OTHER),
             Reads(1, k, k, B, max_seq_len, B + 1, **price), dtype,
             mesh, ("mixed", k, B, T), start))
     progs.append(Program(

@@ -33,6 +33,16 @@ the drafts before that row), so verification samples from the masked target dist
 the output is constrained plain decoding's, token for token. The masks are an input of every
 decode program (one cached all-allowed array when no lane is constrained): no extra program.
 
+Log probabilities and logit_bias (SamplingParams.logprobs / .logit_bias): every decode step
+takes a `steps.Extras` (each lane's bias, padded sparse ids + values, and whether it wants log
+probabilities; one cached all-off set when no lane asks: no extra program) and returns the log
+probabilities of every verify row (the raw target distribution's: log_softmax of the model's
+logits; the chosen token's and the top steps.TOP_LOGPROBS). They are read back only when a
+lane asked, and each emitted token gets the record of the row it came from, which is the
+plain engine's row for that position: speculation changes neither (tests/test_logprobs.py).
+The bias is added to the target logits before verification samples from them, so the biased
+output is exact too.
+
 Device state: `model.Cache` with a `PagedKV` pool per full-attention layer and for the MTP layer
 ([NKV, num_pages, page_size, HD] each) plus per-lane GDN slots per GDN layer, and
 `steps.LaneState`.
@@ -89,9 +99,9 @@ from mtpjax.prefix_cache import PrefixCache
 from mtpjax.sampling import LaneSampling, SamplingParams
 from mtpjax.scheduler import (FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP,
                               Policy, PrefillWork, Request, RequestOutput, RequestStats,
-                              Scheduler, SpeculationPolicy, StepBatch)
+                              Scheduler, SpeculationPolicy, StepBatch, TokenLogprob)
 
-__all__ = ["Engine", "RequestOutput", "RequestStats", "SpeculationPolicy", "AdaptiveDepth",
+__all__ = ["Engine", "RequestOutput", "RequestStats", "TokenLogprob", "SpeculationPolicy", "AdaptiveDepth",
            "OutOfPagesError",
            "FINISH_STOP", "FINISH_LENGTH", "FINISH_ERROR", "FINISH_CANCELLED", "default_kernels"]
 
@@ -343,6 +353,7 @@ class Engine:
         self.clock = clock
         self._grammar_src, self._grammar_tok = grammar_tokenizer, None
         self._no_masks: dict[tuple[int, int], jax.Array] = {}   # (lanes, depth) -> all -1
+        self._no_extras: dict[int, steps.Extras] = {}             # lanes -> all off
 
     @property
     def clock(self):
@@ -744,7 +755,7 @@ class Engine:
         chunk, T = (None, 0) if w is None else self._chunk(w, bool(batch.rows))
         t0 = time.perf_counter()
         if batch.rows:
-            out, n_acc, key, modelled = self._step(sched, batch, chunk, T)
+            out, n_acc, lps, key, modelled = self._step(sched, batch, chunk, T)
         else:
             key = ("prefill", T)
             self.cache, modelled = self._program(key, lambda: steps.prefill_chunk(
@@ -784,7 +795,7 @@ class Engine:
             if r.join_token is not None:
                 first.append(r.request_id)
             sched.decode_done(r.lane, [int(t) for t in out[r.lane]], int(n_acc[r.lane]),
-                              batch.k)
+                              batch.k, self._token_logprobs(sched, r.lane, out, n_acc, lps))
         if clocked:
             for rid in first:                 # the request's first token, on the clock
                 started = self._submitted.pop(rid, None)
@@ -829,13 +840,59 @@ class Engine:
         key = ("decode", batch.k, nb) if chunk is None else ("mixed", batch.k, nb, T)
         contexts = [r.pos for r in batch.rows]   # tokens cached per lane before the step
         allowed = self._masks(sched, batch, nb)
-        (self.cache, self.state, out, n_acc), modelled = self._program(
+        extras, want = self._extras(sched, batch, nb)
+        (self.cache, self.state, out, n_acc, lps), modelled = self._program(
             key, lambda: steps.decode_step(
                 self.cfg, self.params, self.cache, self.state, lanes, jnp.asarray(active),
-                jnp.asarray(self.alloc.table[:nb]), join, chunk, allowed, k=batch.k,
+                jnp.asarray(self.alloc.table[:nb]), join, chunk, allowed, extras, k=batch.k,
                 kernels=self.kernels, mesh=self.mesh, fill_mtp_kv=self.depth0_fills_mtp_kv),
             contexts, start=0 if batch.prefill is None else batch.prefill.start)
-        return np.asarray(out), np.asarray(n_acc), key, modelled
+        # the log probabilities come back only when a request asked for them
+        lps = tuple(np.asarray(x) for x in lps) if want else None
+        return np.asarray(out), np.asarray(n_acc), lps, key, modelled
+
+    def _extras(self, sched: Scheduler, batch: StepBatch, nb: int):
+        """The step's `steps.Extras` (logit_bias, who wants log probabilities) and whether
+        any row wants them; one cached all-off set when no row asks for either."""
+        reqs = [(r.lane, sched.lanes[r.lane].req.params) for r in batch.rows]
+        reqs = [(b, p) for b, p in reqs if p.logprobs is not None or p.logit_bias]
+        if not reqs:
+            if nb not in self._no_extras:
+                self._no_extras[nb] = steps.Extras.none(nb)
+            return self._no_extras[nb], False
+        want = np.zeros(nb, bool)
+        ids = np.zeros((nb, steps.LOGIT_BIAS_MAX), np.int32)
+        vals = np.zeros((nb, steps.LOGIT_BIAS_MAX), np.float32)
+        for b, p in reqs:
+            want[b] = p.logprobs is not None
+            for j, (i, v) in enumerate(p.logit_bias):
+                ids[b, j], vals[b, j] = i, v
+        return (steps.Extras(jnp.asarray(want), jnp.asarray(ids), jnp.asarray(vals)),
+                bool(want.any()))
+
+    @staticmethod
+    def _token_logprobs(sched: Scheduler, lane: int, out, n_acc, lps):
+        """The TokenLogprob of each token the lane emitted this step (None: not asked)."""
+        n = sched.lanes[lane].req.params.logprobs
+        if n is None or lps is None:
+            return None
+        tok, top_ids, top_lp = lps
+        return [TokenLogprob(int(out[lane, j]), float(tok[lane, j]),
+                             tuple((int(i), float(v)) for i, v in
+                                   zip(top_ids[lane, j, :n], top_lp[lane, j, :n])))
+                for j in range(int(n_acc[lane]) + 1)]
+
+    def request_logprobs(self, request_id: int) -> list[TokenLogprob] | None:
+        """The TokenLogprobs of a running request's tokens so far (one per emitted token; the
+        last ones are those an on_token callback was just given), or None (not asked, or not
+        running). For streaming (mtpjax/serving/online.py); call from the session's thread."""
+        sched = self._sched
+        if sched is None:
+            return None
+        for ln in sched.lanes:
+            if ln is not None and ln.req.id == request_id:
+                return ln.req.logprobs
+        return None
 
     def clear_prefix_cache(self) -> None:
         """Drop every cached prefix (pages and snapshots return to the pool)."""
@@ -930,10 +987,11 @@ class Engine:
             d, nb = key[1], key[2]
             lanes_s = LaneSampling.from_params([SamplingParams()] * nb)
             no_masks = jnp.full((nb, d + 1, (self.cfg.vocab_size + 31) // 32), -1, jnp.int32)
-            self.cache, self.state, out, _ = steps.decode_step(
+            self.cache, self.state, out, _, _ = steps.decode_step(
                 self.cfg, self.params, self.cache, self.state, lanes_s,
                 jnp.zeros(nb, bool), jnp.asarray(self.alloc.table[:nb]), steps.Join.none(nb),
-                chunk(key[3]) if key[0] == "mixed" else None, no_masks, k=d,
+                chunk(key[3]) if key[0] == "mixed" else None, no_masks,
+                steps.Extras.none(nb), k=d,
                 kernels=self.kernels, mesh=self.mesh, fill_mtp_kv=self.depth0_fills_mtp_kv)
             out.block_until_ready()
         elif key[0] == "prefill":

@@ -86,10 +86,22 @@ class SamplingParams:
     # must follow; None: unconstrained. The engine masks the target distribution with it at
     # every verify position, exactly as constrained plain decoding would (mtpjax/grammar.py).
     grammar: str | None = None
+    # Log probabilities of the emitted tokens (RequestOutput.logprobs): None off; 0 the chosen
+    # token's only; 1..MAX_LOGPROBS also that many most likely tokens at each position. They
+    # are the RAW target distribution's (log_softmax of the model's logits: before
+    # temperature, top-k / top-p, logit_bias and any grammar mask; vLLM's default), computed
+    # in the step from the verify row each token came from, so speculation does not change
+    # them.
+    logprobs: int | None = None
+    # {token id: bias} (or (id, bias) pairs; stored as a sorted tuple of pairs): added to the
+    # target logits at every position before sampling (and verification: exact under
+    # speculation). At most MAX_LOGIT_BIAS entries, each bias in [-100, 100].
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     def __post_init__(self):
         # A list is accepted for convenience; a tuple keeps the object hashable.
         object.__setattr__(self, "stop_token_ids", tuple(self.stop_token_ids))
+        object.__setattr__(self, "logit_bias", _bias_pairs(self.logit_bias))
         self._validate_static()
 
     def _validate_static(self) -> None:
@@ -111,6 +123,25 @@ class SamplingParams:
         for i in self.stop_token_ids:
             if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0:
                 raise ValueError(f"stop_token_ids must be integers >= 0, got {i!r}")
+        lp = self.logprobs
+        if lp is not None and (isinstance(lp, bool) or not isinstance(lp, (int, np.integer))
+                               or not 0 <= lp <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs must be None or an integer in [0, {MAX_LOGPROBS}], "
+                             f"got {lp!r}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries, at most "
+                             f"{MAX_LOGIT_BIAS} are allowed")
+        seen = set()
+        for i, b in self.logit_bias:
+            if isinstance(i, bool) or not isinstance(i, (int, np.integer)) or i < 0:
+                raise ValueError(f"logit_bias token ids must be integers >= 0, got {i!r}")
+            if i in seen:
+                raise ValueError(f"logit_bias names token id {i} twice")
+            seen.add(i)
+            if (isinstance(b, bool) or not isinstance(b, (int, float, np.floating, np.integer))
+                    or not math.isfinite(b) or not -100 <= b <= 100):
+                raise ValueError(f"logit_bias values must be numbers in [-100, 100], got "
+                                 f"{b!r} for token id {i}")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
             raise ValueError(f"grammar must be a llguidance grammar string or None, got "
                              f"{type(self.grammar).__name__}")
@@ -123,7 +154,33 @@ class SamplingParams:
                 raise ValueError(
                     f"stop_token_ids entry {i} is outside the vocabulary [0, {vocab_size})"
                 )
+        for i, _ in self.logit_bias:
+            if i >= vocab_size:
+                raise ValueError(
+                    f"logit_bias token id {i} is outside the vocabulary [0, {vocab_size})")
         return self
+
+
+MAX_LOGPROBS = 20        # top log probabilities per token (OpenAI's most); steps.TOP_LOGPROBS
+MAX_LOGIT_BIAS = 300     # logit_bias entries per request (OpenAI's most); steps.LOGIT_BIAS_MAX
+
+
+def _bias_pairs(v) -> tuple:
+    """logit_bias as given (a dict or (id, bias) pairs) -> a tuple of pairs sorted by id
+    (values checked by _validate_static)."""
+    if isinstance(v, dict):
+        v = v.items()
+    try:
+        pairs = [tuple(p) for p in v]
+    except TypeError:
+        raise ValueError(f"logit_bias must be a dict {{token id: bias}} or (id, bias) pairs, "
+                         f"got {type(v).__name__}") from None
+    if any(len(p) != 2 for p in pairs):
+        raise ValueError("logit_bias pairs must be (token id, bias)")
+    try:
+        return tuple(sorted(pairs, key=lambda p: p[0]))
+    except TypeError:
+        raise ValueError("logit_bias token ids must be integers") from None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -82,6 +82,16 @@ class RequestStats:
         return (self.accepted_tokens + self.verify_steps) / max(self.verify_steps, 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenLogprob:
+    """One emitted token's log probability under the raw target distribution, and the
+    `SamplingParams.logprobs` most likely tokens at its position as (id, logprob) pairs,
+    most likely first."""
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclasses.dataclass
 class RequestOutput:
     prompt_token_ids: list[int]
@@ -89,6 +99,8 @@ class RequestOutput:
     finish_reason: str
     error: str | None
     stats: RequestStats
+    # one TokenLogprob per token_ids entry when SamplingParams.logprobs is set, else None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -103,6 +115,12 @@ class Request:
     # structured output: the request's grammar state over `out` (grammar.Constraint), or None.
     # It advances by every emitted token here (_emit); the engine reads it to mask each step.
     constraint: object | None = None
+    # SamplingParams.logprobs set: one TokenLogprob per `out` entry (appended with it, _emit)
+    logprobs: list[TokenLogprob] | None = None
+
+    def __post_init__(self):
+        if self.logprobs is None and getattr(self.params, "logprobs", None) is not None:
+            self.logprobs = []
 
 
 @dataclasses.dataclass(eq=False)
@@ -510,7 +528,10 @@ class Scheduler:
         """The device holds the snapshot of `slot` now: publish its prefix-cache entry."""
         self.cache.publish(slot)
 
-    def decode_done(self, lane: int, tokens: list[int], n_accepted: int, k: int) -> None:
+    def decode_done(self, lane: int, tokens: list[int], n_accepted: int, k: int,
+                    logprobs: list[TokenLogprob] | None = None) -> None:
+        """Record a decode step's tokens for the lane (tokens[:n_accepted + 1] emitted);
+        logprobs: one TokenLogprob per emitted token when the request asked for them."""
         ln = self.lanes[lane]
         st = ln.req.stats
         if ln.pos < 0:             # the lane joined with its last token: no drafts were real
@@ -534,9 +555,9 @@ class Scheduler:
             st.plain_steps += 1
         ln.pos += n_accepted + 1
         ln.drafts = k
-        self._emit(lane, tokens[:n_accepted + 1])
+        self._emit(lane, tokens[:n_accepted + 1], logprobs)
 
-    def _emit(self, lane: int, toks: list[int]) -> None:
+    def _emit(self, lane: int, toks: list[int], logprobs=None) -> None:
         """Append tokens to the lane's request up to its stop conditions."""
         req = self.lanes[lane].req
         if req.id in self.cancelled:
@@ -544,9 +565,12 @@ class Scheduler:
             return
         new, done, error = [], None, None
         c = req.constraint
-        for t in toks:
+        for j, t in enumerate(toks):
             new.append(t)
             req.out.append(t)
+            if req.logprobs is not None:
+                req.logprobs.append(logprobs[j] if logprobs is not None
+                                    else TokenLogprob(t, float("nan")))
             if t in req.stops:
                 done = FINISH_STOP
             elif c is not None and (error := c.consume(t)) is not None:
@@ -572,7 +596,8 @@ class Scheduler:
 
     def _record(self, req: Request, reason: str, error: str | None = None) -> None:
         req.done = reason
-        self.finished[req.id] = RequestOutput(req.prompt, req.out, reason, error, req.stats)
+        self.finished[req.id] = RequestOutput(req.prompt, req.out, reason, error, req.stats,
+                                              req.logprobs)
         self._retire(req.id)
 
     def abort(self) -> None:

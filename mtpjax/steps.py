@@ -113,7 +113,69 @@ def _all_greedy(lanes: sampling.LaneSampling):
     return jnp.all(lanes.temperature <= 0)
 
 
-def _verify(cfg: Config, params: Params, h, drafts, lanes, first_position, allowed=None):
+# Per-token log probabilities a step returns (Extras.want): the chosen token's and the top
+# TOP_LOGPROBS of the vocabulary (OpenAI's most), at every verify row.
+TOP_LOGPROBS = 20
+# Per-lane logit_bias entries a step takes (OpenAI's most per request).
+LOGIT_BIAS_MAX = 300
+
+
+@partial(jax.tree_util.register_dataclass, data_fields=["want", "bias_ids", "bias"],
+         meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class Extras:
+    """Per-lane step options beyond the sampler's, always passed by the engine (all off: one
+    cached array set), so they add no compiled program.
+
+    want: bool[B], the lane wants its tokens' log probabilities (the step then returns them
+    for every row, see `token_logprobs`). bias_ids i32[B, M], bias f32[B, M] (M =
+    LOGIT_BIAS_MAX): the lane's logit_bias, padded with (0, 0.0); added to the target logits
+    of every verify row before the grammar mask and the sampler, so verification samples from
+    the biased target distribution, the one a plain sampler draws from: exact."""
+    want: jax.Array
+    bias_ids: jax.Array
+    bias: jax.Array
+
+    @staticmethod
+    def none(lanes: int) -> "Extras":
+        return Extras(jnp.zeros((lanes,), bool), jnp.zeros((lanes, LOGIT_BIAS_MAX), jnp.int32),
+                      jnp.zeros((lanes, LOGIT_BIAS_MAX), jnp.float32))
+
+
+def _biased(x, extras: Extras):
+    """Target logits [B, R, V] plus each lane's logit_bias (skipped when no lane has one)."""
+    def add():
+        B, V = x.shape[0], x.shape[-1]
+        dense = jnp.zeros((B, V), jnp.float32).at[
+            jnp.arange(B)[:, None], extras.bias_ids].add(extras.bias, mode="drop")
+        return x + dense[:, None, :].astype(x.dtype)
+    return lax.cond(jnp.any(extras.bias != 0), add, lambda: x)
+
+
+def token_logprobs(logits, tokens, top: int):
+    """Log probabilities of the RAW target distribution (log_softmax of the model's logits:
+    temperature 1, no top-k / top-p, no logit_bias, no grammar mask; vLLM's default
+    "raw_logprobs"): of tokens i32[B, R] (-1 read as 0) and the top `top` of each row.
+    Returns (f32[B, R], top ids i32[B, R, top], top logprobs f32[B, R, top], descending)."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    tok = jnp.take_along_axis(lp, jnp.maximum(tokens, 0)[..., None], axis=-1)[..., 0]
+    top_lp, top_ids = lax.top_k(lp, top)
+    return tok, top_ids.astype(jnp.int32), top_lp
+
+
+def _logprobs_out(cfg: Config, logits, tokens, extras: Extras):
+    """token_logprobs when some lane wants them, zeros otherwise (lax.cond: a step without
+    such a lane pays nothing). logits: a thunk giving the raw target logits [B, R, V]."""
+    B, R = tokens.shape
+    top = min(TOP_LOGPROBS, cfg.vocab_size)
+    zeros = lambda: (jnp.zeros((B, R), jnp.float32), jnp.zeros((B, R, top), jnp.int32),
+                     jnp.zeros((B, R, top), jnp.float32))
+    return lax.cond(jnp.any(extras.want),
+                    lambda: token_logprobs(logits(), tokens, top), zeros)
+
+
+def _verify(cfg: Config, params: Params, h, drafts, lanes, first_position, allowed=None,
+            extras: Extras | None = None):
     """sampling.verify on the target's post-norm hidden h [B, k+1, H].
 
     allowed: None, or packed token masks i32[B, k+1, ceil(V/32)] (mtpjax/grammar.py): row j
@@ -125,22 +187,40 @@ def _verify(cfg: Config, params: Params, h, drafts, lanes, first_position, allow
     `model.argmax_tokens` finds on the sharded logits ([tp, B, k+1] pairs gathered); only a
     batch with a sampling lane (or a constrained lane) gathers the [B, k+1, V] logits for the
     exact sampler. Both give the first argmax for a greedy lane, so the tokens do not depend on
-    the branch."""
-    def logits():
-        x = model.full_logits(cfg, params, h)
+    the branch.
+
+    extras: None (returns (n_accepted, tokens)) or the lanes' `Extras`: their logit_bias is
+    added to the target logits (before the mask), and the step's log probabilities come third
+    (`_logprobs_out`: of the raw logits, the same rows plain decoding computes one at a time,
+    so they are the plain engine's)."""
+    def processed(x):
+        if extras is not None:
+            x = _biased(x, extras)
         if allowed is None:
             return x
         return lax.cond(grammar.constrained(allowed),
                         lambda: grammar.apply_bitmask(x, allowed), lambda: x)
-    sampled = lambda: sampling.verify(logits(), drafts, lanes, first_position)
     if cfg.tp_axis is None:
-        return sampled()
+        x = model.full_logits(cfg, params, h)
+        n_acc, out = sampling.verify(processed(x), drafts, lanes, first_position)
+        if extras is None:
+            return n_acc, out
+        return n_acc, out, _logprobs_out(cfg, lambda: x, out, extras)
+    sampled = lambda: sampling.verify(processed(model.full_logits(cfg, params, h)), drafts,
+                                      lanes, first_position)
     fast = _all_greedy(lanes)
     if allowed is not None:
         fast = fast & ~grammar.constrained(allowed)
-    return lax.cond(fast,
-                    lambda: sampling.accept(model.argmax_tokens(cfg, params, h), drafts),
-                    sampled)
+    if extras is not None:
+        fast = fast & ~jnp.any(extras.bias != 0)
+    n_acc, out = lax.cond(fast,
+                          lambda: sampling.accept(model.argmax_tokens(cfg, params, h), drafts),
+                          sampled)
+    if extras is None:
+        return n_acc, out
+    # under tensor parallelism the gathered logits are recomputed here (only when asked)
+    return n_acc, out, _logprobs_out(cfg, lambda: model.full_logits(cfg, params, h), out,
+                                     extras)
 
 
 def _sample(cfg: Config, params: Params, h, lanes, positions):
@@ -242,8 +322,8 @@ def _prefill_body(cfg: Config, params: Params, cache: Cache, chunk: Chunk, *, k:
          donate_argnames=("cache", "state"))
 def decode_step(cfg: Config, params: Params, cache: Cache, state: LaneState,
                 lanes: sampling.LaneSampling, active, page_table, join: Join,
-                chunk: Chunk | None = None, allowed=None, *, k: int, kernels: str, mesh=None,
-                fill_mtp_kv: bool = False):
+                chunk: Chunk | None = None, allowed=None, extras: Extras | None = None, *,
+                k: int, kernels: str, mesh=None, fill_mtp_kv: bool = False):
     """One engine iteration: a draft-verify-accept-rollback-redraft step of depth k for lanes
     0..B-1, and optionally one lane's prefill chunk in the same forward.
 
@@ -267,25 +347,35 @@ def decode_step(cfg: Config, params: Params, cache: Cache, state: LaneState,
     (structured output, mtpjax/grammar.py; all -1 for an unconstrained lane): verification
     samples from the masked target distribution. The engine always passes it (all -1 when no
     lane is constrained), so constrained and unconstrained steps run one program.
+    extras: None, or the lanes' `Extras` (logit_bias, whether they want log probabilities);
+    the engine always passes it (all off when no lane asks), so it adds no program. With it the
+    step returns a fifth output, the log probabilities of every verify row (`token_logprobs`:
+    the raw target distribution's, f32[B, k+1], top ids i32[B, k+1, L], top logprobs
+    f32[B, k+1, L], L = min(TOP_LOGPROBS, V); zeros when no lane wants them). Every emitted
+    token is the token of a verify row, whose logits are the plain engine's for that position
+    (a joining lane's row 0 is its first token's), so its logprob is the plain engine's.
     """
     body = partial(_decode_body_args, k=k, kernels=kernels, fill_mtp_kv=fill_mtp_kv,
-                   has_chunk=chunk is not None, has_mask=allowed is not None)
-    extra = tuple(x for x in (chunk, allowed) if x is not None)
+                   has_chunk=chunk is not None, has_mask=allowed is not None,
+                   has_extras=extras is not None)
+    extra = tuple(x for x in (chunk, allowed, extras) if x is not None)
     return tp.on_mesh(body, cfg, mesh, params, cache, state, lanes, active, page_table, join,
-                      *extra, n_out=4)
+                      *extra, n_out=4 if extras is None else 5)
 
 
 def _decode_body_args(cfg, params, cache, state, lanes, active, page_table, join, *extra,
-                      has_chunk: bool, has_mask: bool, **kw):
+                      has_chunk: bool, has_mask: bool, has_extras: bool = False, **kw):
+    extra = list(extra)
+    extras = extra.pop() if has_extras else None
     chunk = extra[0] if has_chunk else None
     allowed = extra[-1] if has_mask else None
     return _decode_body(cfg, params, cache, state, lanes, active, page_table, join, chunk,
-                        allowed=allowed, **kw)
+                        allowed=allowed, extras=extras, **kw)
 
 
 def _decode_body(cfg: Config, params: Params, cache: Cache, state: LaneState, lanes, active,
                  page_table, join: Join, chunk: Chunk | None = None, *, k: int, kernels: str,
-                 fill_mtp_kv: bool = False, allowed=None):
+                 fill_mtp_kv: bool = False, allowed=None, extras: Extras | None = None):
     B = active.shape[0]
     K = state.drafts.shape[1]
     if not 0 <= k <= K:
@@ -317,7 +407,8 @@ def _decode_body(cfg: Config, params: Params, cache: Cache, state: LaneState, la
     if allowed is not None and allowed.shape[:2] != (B, k + 1):
         raise ValueError(f"grammar masks must be [B={B}, k+1={k + 1}, words], got "
                          f"{allowed.shape}")
-    n_acc, out = _verify(cfg, params, h, drafts_in, lanes, state.pos + 1, allowed)
+    verified = _verify(cfg, params, h, drafts_in, lanes, state.pos + 1, allowed, extras)
+    n_acc, out = verified[:2]
     n_acc = jnp.where(active, n_acc, 0)
     cache = dataclasses.replace(cache, n_pend=model.put_slots(
         cache.n_pend, 0, jnp.where(active, n_acc + 1, 0)))
@@ -344,4 +435,6 @@ def _decode_body(cfg: Config, params: Params, cache: Cache, state: LaneState, la
         drafts = state.drafts
     out = jnp.where(active[:, None], out, -1)
     new = LaneState(new_last, new_pos, drafts)
-    return cache, model.put_slots(full_state, 0, new), out, n_acc
+    if extras is None:
+        return cache, model.put_slots(full_state, 0, new), out, n_acc
+    return cache, model.put_slots(full_state, 0, new), out, n_acc, verified[2]

@@ -20,6 +20,14 @@ Request flow:
      XML -> `tool_calls`, finish_reason "tool_calls"); a `response_format` json_object /
      json_schema request decodes under its grammar (mtpjax/grammar.py), so its content is JSON;
   4. a client that disconnects cancels its request: its pages return at the next engine step.
+
+`n` > 1: the request becomes n sibling engine requests submitted together (choice i samples
+with seed + i, `ParsedRequest.sibling_params`; they share the prompt through the prefix
+cache); the body has n choices (index 0..n-1), a stream interleaves the choices' chunks as they
+come (`merged_chunks`), usage counts the prompt once and every choice's tokens. `logprobs`
+(chat: logprobs + top_logprobs; completions: logprobs 0..5) come from the engine
+(SamplingParams.logprobs: the raw model distribution's, exact under speculation) in OpenAI's
+shapes (`chat_logprobs`, `completion_logprobs`); streamed, each chunk carries its tokens'.
 """
 
 from __future__ import annotations
@@ -45,9 +53,48 @@ FINISH = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "er
 
 
 # ------------------------------------------------------------------------ responses
-def usage(out) -> dict:
-    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": out.completion_tokens,
-            "total_tokens": out.prompt_tokens + out.completion_tokens}
+def usage(out, more=()) -> dict:
+    """OpenAI's usage of a request: the prompt once, the completion tokens of every choice."""
+    completion = out.completion_tokens + sum(o.completion_tokens for o in more)
+    return {"prompt_tokens": out.prompt_tokens, "completion_tokens": completion,
+            "total_tokens": out.prompt_tokens + completion}
+
+
+# ------------------------------------------------------------------------ logprobs
+def _token_text(tokenizer, token: int) -> str:
+    if tokenizer is None:
+        return str(token)
+    return tokenizer.decode([token])
+
+
+def chat_logprobs(records, tokenizer) -> dict | None:
+    """OpenAI's chat choice.logprobs of engine TokenLogprobs: {"content": [{token, logprob,
+    bytes, top_logprobs: [{token, logprob, bytes}]}]} (None when not asked)."""
+    if records is None:
+        return None
+
+    def entry(t, lp):
+        s = _token_text(tokenizer, t)
+        return {"token": s, "logprob": lp, "bytes": list(s.encode("utf-8"))}
+    return {"content": [{**entry(r.token, r.logprob),
+                         "top_logprobs": [entry(t, lp) for t, lp in r.top]} for r in records]}
+
+
+def completion_logprobs(records, tokenizer, offset: int = 0) -> dict | None:
+    """OpenAI's completions choice.logprobs: {tokens, token_logprobs, top_logprobs (one
+    {token: logprob} object per position), text_offset (where each token's text starts in
+    the choice's text, from `offset`)}."""
+    if records is None:
+        return None
+    tokens, offsets = [], []
+    for r in records:
+        offsets.append(offset)
+        tokens.append(_token_text(tokenizer, r.token))
+        offset += len(tokens[-1])
+    return {"tokens": tokens, "token_logprobs": [r.logprob for r in records],
+            "top_logprobs": [{_token_text(tokenizer, t): lp for t, lp in r.top}
+                             for r in records],
+            "text_offset": offsets}
 
 
 def chat_message(text: str, thinking: bool, tools: list[dict] | None = None) -> dict:
@@ -81,18 +128,21 @@ def _engine_error(out) -> APIError:
     return APIError(out.error or "engine error", status=500, type="server_error")
 
 
-async def chat_chunks(handle: RequestHandle, req: ParsedRequest,
-                      head: dict) -> AsyncIterator[str]:
+async def chat_chunks(handle: RequestHandle, req: ParsedRequest, head: dict, tokenizer=None,
+                      index: int = 0, tail: bool = True) -> AsyncIterator[str]:
     """The SSE events of a streamed chat: a role chunk, reasoning/content/tool-call deltas, the
     finish chunk, usage (when asked), [DONE]. Content goes through the reasoning split, then
-    (with tools) through the tool-call stream."""
+    (with tools) through the tool-call stream. With logprobs asked, each delta's tokens' log
+    probabilities ride in the chunk of that delta (a chunk with an empty delta when its text
+    is held back). index: the choice's; tail=False leaves out usage and [DONE] (n > 1: the
+    caller adds them once)."""
     from mtpjax.text import ReasoningStream
     split = ReasoningStream(req.enable_thinking)
     calls = ToolCallStream(req.tools) if req.tools else None
 
-    def chunk(delta, finish=None):
+    def chunk(delta, finish=None, logprobs=None):
         return sse({**head, "object": "chat.completion.chunk",
-                    "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
                                  "finish_reason": finish}]})
 
     def delta_of(reasoning, content, flush=False):
@@ -114,8 +164,9 @@ async def chat_chunks(handle: RequestHandle, req: ParsedRequest,
     yield chunk({"role": "assistant", "content": ""})
     async for d in handle:
         piece = delta_of(*split.push(d.text))
-        if piece:
-            yield chunk(piece)
+        lps = getattr(d, "logprobs", None)
+        if piece or lps:
+            yield chunk(piece, logprobs=chat_logprobs(lps, tokenizer))
     piece = delta_of(*split.flush(), flush=True)
     if piece:
         yield chunk(piece)
@@ -124,44 +175,89 @@ async def chat_chunks(handle: RequestHandle, req: ParsedRequest,
         yield sse(_engine_error(out).body())
     else:
         yield chunk({}, finish_reason(out, calls is not None and calls.num_calls > 0))
-        if req.include_usage:
+        if req.include_usage and tail:
             yield sse({**head, "object": "chat.completion.chunk", "choices": [],
                        "usage": usage(out)})
-    yield "data: [DONE]\n\n"
+    if tail:
+        yield "data: [DONE]\n\n"
 
 
-async def completion_chunks(handle: RequestHandle, req: ParsedRequest,
-                            head: dict) -> AsyncIterator[str]:
-    def chunk(text, finish=None):
+async def completion_chunks(handle: RequestHandle, req: ParsedRequest, head: dict,
+                            tokenizer=None, index: int = 0,
+                            tail: bool = True) -> AsyncIterator[str]:
+    """The SSE events of a streamed completion (see chat_chunks for logprobs, index, tail)."""
+    def chunk(text, finish=None, logprobs=None):
         return sse({**head, "object": "text_completion",
-                    "choices": [{"index": 0, "text": text, "logprobs": None,
+                    "choices": [{"index": index, "text": text, "logprobs": logprobs,
                                  "finish_reason": finish}]})
 
+    offset = 0
     async for d in handle:
-        if d.text:
-            yield chunk(d.text)
+        lps = getattr(d, "logprobs", None)
+        if d.text or lps:
+            yield chunk(d.text, logprobs=completion_logprobs(lps, tokenizer, offset))
+            offset += len(d.text)
     out = handle.output
     if out.finish_reason == "error":
         yield sse(_engine_error(out).body())
     else:
         yield chunk("", FINISH[out.finish_reason])
-        if req.include_usage:
+        if req.include_usage and tail:
             yield sse({**head, "object": "text_completion", "choices": [], "usage": usage(out)})
+    if tail:
+        yield "data: [DONE]\n\n"
+
+
+async def merged_chunks(kind: str, handles: list, req: ParsedRequest, head: dict,
+                        tokenizer=None) -> AsyncIterator[str]:
+    """The SSE events of a streamed request with n choices: each choice's chunks (its index
+    in them) interleaved as they come, then usage over all choices (when asked), [DONE]."""
+    make = chat_chunks if kind == "chat" else completion_chunks
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(i, h):
+        try:
+            async for event in make(h, req, head, tokenizer, i, tail=False):
+                await queue.put(event)
+        finally:
+            await queue.put(None)
+    tasks = [asyncio.ensure_future(pump(i, h)) for i, h in enumerate(handles)]
+    try:
+        left = len(tasks)
+        while left:
+            event = await queue.get()
+            if event is None:
+                left -= 1
+            else:
+                yield event
+    finally:
+        for t in tasks:
+            t.cancel()
+    outs = [h.output for h in handles]
+    if req.include_usage and all(o is not None and o.finish_reason != "error" for o in outs):
+        obj = "chat.completion.chunk" if kind == "chat" else "text_completion"
+        yield sse({**head, "object": obj, "choices": [], "usage": usage(outs[0], outs[1:])})
     yield "data: [DONE]\n\n"
 
 
-def final_body(kind: str, out, req: ParsedRequest, head: dict) -> dict:
-    """The JSON body of a finished non-streamed request."""
-    if kind == "chat":
-        msg = chat_message(out.text, req.enable_thinking, req.tools)
-        choice = {"index": 0, "message": msg, "logprobs": None,
-                  "finish_reason": finish_reason(out, "tool_calls" in msg)}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": out.text, "logprobs": None,
-                  "finish_reason": FINISH[out.finish_reason]}
-        obj = "text_completion"
-    return {**head, "object": obj, "choices": [choice], "usage": usage(out)}
+def final_body(kind: str, out, req: ParsedRequest, head: dict, tokenizer=None) -> dict:
+    """The JSON body of a finished non-streamed request (out: its output, or the outputs of
+    its n choices)."""
+    outs = list(out) if isinstance(out, (list, tuple)) else [out]
+    choices = []
+    for i, o in enumerate(outs):
+        lps = getattr(o, "logprobs", None)
+        if kind == "chat":
+            msg = chat_message(o.text, req.enable_thinking, req.tools)
+            choices.append({"index": i, "message": msg,
+                            "logprobs": chat_logprobs(lps, tokenizer),
+                            "finish_reason": finish_reason(o, "tool_calls" in msg)})
+        else:
+            choices.append({"index": i, "text": o.text,
+                            "logprobs": completion_logprobs(lps, tokenizer),
+                            "finish_reason": FINISH[o.finish_reason]})
+    obj = "chat.completion" if kind == "chat" else "text_completion"
+    return {**head, "object": obj, "choices": choices, "usage": usage(outs[0], outs[1:])}
 
 
 # ------------------------------------------------------------------------------- app
@@ -188,18 +284,24 @@ async def _json_body(request: Request) -> Any:
         raise APIError(f"the request body is not valid JSON: {e}", code="invalid_json")
 
 
-async def _started(online: OnlineEngine, req: ParsedRequest) -> RequestHandle:
-    """Hand the request to the engine and wait until it took it (its refusal -> 400)."""
+async def _started(online: OnlineEngine, req: ParsedRequest) -> list[RequestHandle]:
+    """Hand the request's n choices to the engine (sibling requests, submitted together: they
+    share the prompt through the prefix cache) and wait until it took them (a refusal -> 400,
+    the other siblings cancelled)."""
     if not online.alive:
         raise APIError("the engine is not running", status=503, type="server_error")
-    handle = online.add(req.prompt_ids, req.params, stop=req.stop,
-                        skip_special_tokens=req.skip_special_tokens)
-    rejected = await handle.wait_queued()
-    if rejected is not None:
-        msg = rejected.error or "rejected"
-        code = "context_length_exceeded" if msg.startswith("prompt too long") else None
-        raise APIError(msg, None, code)
-    return handle
+    handles = [online.add(req.prompt_ids, p, stop=req.stop,
+                          skip_special_tokens=req.skip_special_tokens)
+               for p in req.sibling_params()]
+    for h in handles:
+        rejected = await h.wait_queued()
+        if rejected is not None:
+            for other in handles:
+                other.cancel()
+            msg = rejected.error or "rejected"
+            code = "context_length_exceeded" if msg.startswith("prompt too long") else None
+            raise APIError(msg, None, code)
+    return handles
 
 
 async def _finished(request: Request, handle: RequestHandle):
@@ -220,15 +322,17 @@ async def _finished(request: Request, handle: RequestHandle):
             handle.cancel()
 
 
-def _streaming(request: Request, events: AsyncIterator[str], handle: RequestHandle):
+def _streaming(request: Request, events: AsyncIterator[str], handles):
     from fastapi.responses import StreamingResponse
+    handles = handles if isinstance(handles, list) else [handles]
 
     async def watch():
         """A client that leaves while its request waits or is between tokens is noticed
         here; one that leaves mid-write, by the write failing."""
-        while not handle.done:
+        while not all(h.done for h in handles):
             if await request.is_disconnected():
-                handle.cancel()
+                for h in handles:
+                    h.cancel()
                 return
             await asyncio.sleep(0.2)
 
@@ -239,8 +343,9 @@ def _streaming(request: Request, events: AsyncIterator[str], handle: RequestHand
                 yield piece
         finally:                        # done, or the client is gone
             watcher.cancel()
-            if not handle.done:
-                handle.cancel()
+            for h in handles:
+                if not h.done:
+                    h.cancel()
     return StreamingResponse(wrapped(), media_type="text/event-stream",
                              headers={"Cache-Control": "no-cache"})
 
@@ -267,20 +372,34 @@ def build_app(server: Server):
     async def run(request: Request, parse: Callable[[Any], ParsedRequest], kind: str):
         try:
             req = parse(await _json_body(request))
-            handle = await _started(online, req)
+            handles = await _started(online, req)
         except APIError as e:
             return error(e)
-        rid = f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{handle.id:06d}{secrets.token_hex(6)}"
+        rid = (f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{handles[0].id:06d}"
+               f"{secrets.token_hex(6)}")
         head = {"id": rid, "created": int(time.time()), "model": limits.model}
+        tok = server.tokenizer
         if req.stream:
-            events = (chat_chunks if kind == "chat" else completion_chunks)(handle, req, head)
-            return _streaming(request, events, handle)
-        out = await _finished(request, handle)
-        if out is None:
-            return JSONResponse({}, status_code=499)
-        if out.finish_reason == "error":
-            return error(_engine_error(out))
-        return JSONResponse(final_body(kind, out, req, head))
+            if len(handles) == 1:
+                events = (chat_chunks if kind == "chat" else completion_chunks)(
+                    handles[0], req, head, tok)
+            else:
+                events = merged_chunks(kind, handles, req, head, tok)
+            return _streaming(request, events, handles)
+        outs = []
+        for h in handles:
+            out = await _finished(request, h)
+            if out is None:
+                for other in handles:
+                    other.cancel()
+                return JSONResponse({}, status_code=499)
+            outs.append(out)
+        for out in outs:
+            if out.finish_reason == "error":
+                for other in handles:
+                    other.cancel()
+                return error(_engine_error(out))
+        return JSONResponse(final_body(kind, outs, req, head, tok))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):

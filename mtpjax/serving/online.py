@@ -54,6 +54,8 @@ class Delta:
     (may lag the ids: partial UTF-8 characters and possible stop-string starts wait)."""
     token_ids: tuple[int, ...]
     text: str = ""
+    # SamplingParams.logprobs set: one engine.TokenLogprob per token id, else None
+    logprobs: tuple | None = None
 
 
 @dataclasses.dataclass
@@ -69,6 +71,7 @@ class OnlineOutput:
     error: str | None
     stats: RequestStats
     stop_reason: str | int | None = None
+    logprobs: list | None = None      # one engine.TokenLogprob per token id, when asked
 
     @property
     def prompt_tokens(self) -> int:
@@ -602,13 +605,17 @@ class OnlineEngine:
             return                              # cut at a stop string, or its text failed
         h, ts = entry
         self._stats.generation_tokens += len(new)
+        lps = None
+        if h.params.logprobs is not None:       # the records of `new`: the request's last ones
+            recs = self.engine.request_logprobs(rid) or []
+            lps = tuple(recs[len(recs) - len(new):])
         try:
             ids, text = ts.push(list(new))
         except Exception as e:  # noqa: BLE001 - this request's text only: it ends, others go on
             ts.error = f"text processing failed: {type(e).__name__}: {e}"
             ids, text = [], ""
         if ids or text:
-            h._publish(Delta(tuple(ids), text))
+            h._publish(Delta(tuple(ids), text, None if lps is None else lps[:len(ids)]))
         if ts.ended:                            # its pages return at the next step
             self.engine.cancel(rid)
 
@@ -655,10 +662,12 @@ class OnlineEngine:
              ts: _TextState | None = None, stop_reason=None) -> None:
         """Publish the handle's final output (ids as streamed, cut at a stop string)."""
         ids = [t for d in h._deltas for t in d.token_ids]
+        lps = ([r for d in h._deltas for r in (d.logprobs or ())]
+               if getattr(h.params, "logprobs", None) is not None else None)
         self._stats.finished[reason] = self._stats.finished.get(reason, 0) + 1
         h._publish(output=OnlineOutput(
             h.id, h.prompt, ids, ts.text if ts is not None else "", reason, error,
-            out.stats if out is not None else RequestStats(), stop_reason))
+            out.stats if out is not None else RequestStats(), stop_reason, lps))
 
     def _take_snapshot(self, force: bool) -> None:
         now = time.perf_counter()

@@ -53,6 +53,14 @@ class ParsedRequest:
     enable_thinking: bool | None  # chat only; None for completions
     skip_special_tokens: bool
     tools: list[dict] | None = None   # chat with tools (not "none"): parse calls for these
+    n: int = 1                        # choices: sibling requests with seeds seed + i
+
+    def sibling_params(self) -> list[SamplingParams]:
+        """The SamplingParams of the n choices: choice i samples with seed + i (mod 2**32),
+        so choice 0 is the request alone and choice i the request with seed + i; they share
+        the prompt through the prefix cache."""
+        p = self.params
+        return [dataclasses.replace(p, seed=(p.seed + i) % 2 ** 32) for i in range(self.n)]
 
 
 def check_model(body: Any, limits: ServerLimits) -> None:
@@ -78,11 +86,17 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
         raise APIError(f"This model's maximum context length is {limits.max_seq_len} tokens; "
                        f"the prompt has {prompt_len} and {max_field} = {max_tokens} asks for "
                        f"{prompt_len + max_tokens}", max_field, "context_length_exceeded")
+    bias = req.logit_bias or {}
+    bad = [t for t in bias if not 0 <= t < limits.vocab_size]
+    if bad:
+        raise APIError(f"'logit_bias' token id {bad[0]} is outside the vocabulary "
+                       f"[0, {limits.vocab_size})", "logit_bias")
     return SamplingParams(temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
                           max_new_tokens=max_tokens if max_tokens is not None else
                           room if default_max is None else min(default_max, room),
                           seed=secrets.randbits(32) if req.seed is None else req.seed,
-                          stop_token_ids=stop_token_ids, grammar=grammar)
+                          stop_token_ids=stop_token_ids, grammar=grammar,
+                          logprobs=req.num_logprobs, logit_bias=tuple(sorted(bias.items())))
 
 
 def response_grammar(req: ChatCompletionRequest) -> str | None:
@@ -140,7 +154,8 @@ def parse_chat(body: Any, limits: ServerLimits, tokenizer,
     params = sampling_params(req, len(ids), limits, field, max_tokens, None, "messages",
                              tokenizer.stop_ids(), tool_grammar(req) or response_grammar(req))
     return ParsedRequest(ids, params, req.stop, req.stream, req.include_usage,
-                         req.enable_thinking, req.skip_special_tokens, req.active_tools)
+                         req.enable_thinking, req.skip_special_tokens, req.active_tools,
+                         req.n or 1)
 
 
 def parse_completion(body: Any, limits: ServerLimits, tokenizer) -> ParsedRequest:
@@ -160,4 +175,4 @@ def parse_completion(body: Any, limits: ServerLimits, tokenizer) -> ParsedReques
     params = sampling_params(req, len(ids), limits, "max_tokens", asked, req.max_tokens,
                              "prompt")
     return ParsedRequest(ids, params, req.stop, req.stream, req.include_usage, None,
-                         req.skip_special_tokens)
+                         req.skip_special_tokens, n=req.n or 1)

@@ -3,9 +3,11 @@
 Why strict models: a client (an agent framework, most often) that sends a field this server
 does not implement must hear so, not get an answer that quietly ignored it. So every model
 forbids unknown fields, and the OpenAI fields the engine does not implement yet are either left
-out (a 400 "'logit_bias' is not supported by this server") or declared with only their
-no-op value allowed (`n` = 1, penalties = 0, `logprobs` false), which clients often send
-explicitly. Structured output: `response_format` {"type": "text" | "json_object" |
+out (a 400 "'suffix' is not supported by this server") or declared with only their
+no-op value allowed (penalties = 0), which clients often send explicitly. `n` (1..MAX_N
+choices: sibling requests, seeds seed, seed + 1, ...), `logprobs` / `top_logprobs` (chat;
+completions: `logprobs` 0..5) and `logit_bias` ({"token id": bias in [-100, 100]}, at most
+300) are implemented. Structured output: `response_format` {"type": "text" | "json_object" |
 "json_schema"} (chat); the JSON ones constrain decoding with a grammar
 (parsing.response_grammar, mtpjax/grammar.py), and so do `tool_choice` "required" and a named
 function (parsing.tool_grammar): one grammar per request, so these do not go together.
@@ -29,9 +31,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 # OpenAI (and vLLM) request fields this server knows of but does not implement: refused with
 # "not supported" rather than "unknown". Any other extra field is refused as unknown.
 NOT_SUPPORTED = frozenset({
-    "audio", "function_call", "functions", "logit_bias", "metadata", "modalities",
+    "audio", "function_call", "functions", "metadata", "modalities",
     "parallel_tool_calls", "prediction", "reasoning_effort", "service_tier",
-    "store", "suffix", "top_logprobs", "user", "web_search_options", "verbosity",
+    "store", "suffix", "user", "web_search_options", "verbosity",
     "prompt_cache_key", "safety_identifier", "min_p", "repetition_penalty", "min_tokens",
     "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "structured_outputs", "name", "continuous_usage_stats",
@@ -201,6 +203,37 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+MAX_N = 16           # choices per request (`n`)
+
+
+def _logit_bias(v: Any) -> Any:
+    """OpenAI's logit_bias: {"token id": bias} -> a dict of int ids to float biases."""
+    if v is None:
+        return None
+    if not isinstance(v, dict):
+        raise ValueError(f"must be an object {{\"token id\": bias}}, got {_show(v)}")
+    if len(v) > 300:
+        raise ValueError(f"has {len(v)} entries, at most 300 are allowed")
+    out = {}
+    for key, bias in v.items():
+        try:
+            tid = int(key) if isinstance(key, str) and key.strip().lstrip("-").isdigit() \
+                else None
+        except ValueError:
+            tid = None
+        if tid is None or tid < 0:
+            raise ValueError(f"keys must be token ids (strings of integers >= 0), got "
+                             f"{_show(key)}")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) \
+                or not -100 <= bias <= 100:
+            raise ValueError(f"values must be numbers in [-100, 100], got {_show(bias)} for "
+                             f"token id {key}")
+        if tid in out:
+            raise ValueError(f"names token id {tid} twice")
+        out[tid] = float(bias)
+    return out
+
+
 def _stop(v: Any) -> Any:
     if v is None:
         return ()
@@ -222,8 +255,10 @@ class _Sampling(_Strict):
     stream: bool = False
     stream_options: StreamOptions | None = None
     skip_special_tokens: bool = True       # vLLM extension: special tokens in the output text
+    n: int | None = Field(None, ge=1, le=MAX_N, description=f"an integer in [1, {MAX_N}]")
+    # {"token id": bias}: added to the logits before sampling (SamplingParams.logit_bias)
+    logit_bias: dict[int, float] | None = None
     # no-op values only (clients send the defaults explicitly):
-    n: Literal[1] | None = Field(None, description="1 (n > 1 is not supported)")
     presence_penalty: float | None = Field(None, ge=0.0, le=0.0,
                                            description="0 (penalties are not supported)")
     frequency_penalty: float | None = Field(None, ge=0.0, le=0.0,
@@ -233,6 +268,11 @@ class _Sampling(_Strict):
     @classmethod
     def stop_as_tuple(cls, v: Any) -> Any:
         return _stop(v)
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def bias_by_id(cls, v: Any) -> Any:
+        return _logit_bias(v)
 
     @property
     def include_usage(self) -> bool:
@@ -246,8 +286,10 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = Field(None, ge=1, description="a positive integer")
     # Template variables (vLLM's name), e.g. {"enable_thinking": false}.
     chat_template_kwargs: dict[str, Any] = Field(default_factory=dict)
-    logprobs: Literal[False] | None = Field(None, description="false (logprobs are not "
-                                                              "supported)")
+    # the chosen tokens' log probabilities (of the raw model distribution), and with
+    # top_logprobs that many most likely tokens at each position
+    logprobs: bool | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=20, description="an integer in [0, 20]")
     # Tool calling (qwen3_coder XML, `tool_parser`): "auto" (the default) renders the tools and
     # parses calls out of the output; "none" renders the chat without them (the model cannot
     # call what it is not shown) and parses nothing. "required" (a call of one of the tools)
@@ -319,6 +361,18 @@ class ChatCompletionRequest(_Sampling):
             return None
         return [t.model_dump(exclude_none=True) for t in self.tools]
 
+    @field_validator("top_logprobs", mode="after")
+    @classmethod
+    def top_needs_logprobs(cls, v: int | None, info: ValidationInfo) -> Any:
+        if v is not None and v > 0 and not info.data.get("logprobs"):
+            raise ValueError("needs 'logprobs': true")
+        return v
+
+    @property
+    def num_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None (off) or the top entries per token."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
     @model_validator(mode="after")
     def one_max(self) -> "ChatCompletionRequest":
         if self.max_tokens is not None and self.max_completion_tokens is not None \
@@ -364,7 +418,12 @@ class CompletionRequest(_Sampling):
     max_tokens: int = Field(16, ge=1, description="a positive integer")
     echo: Literal[False] | None = Field(None, description="false (echo is not supported)")
     best_of: Literal[1] | None = Field(None, description="1 (best_of is not supported)")
-    logprobs: None = Field(None, description="null (logprobs are not supported)")
+    # the chosen tokens' log probabilities and the `logprobs` most likely at each position
+    logprobs: int | None = Field(None, ge=0, le=5, description="an integer in [0, 5]")
+
+    @property
+    def num_logprobs(self) -> int | None:
+        return self.logprobs
 
     @field_validator("prompt", mode="before")
     @classmethod
