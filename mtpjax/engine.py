@@ -401,7 +401,9 @@ class Engine:
         if not num_speculative_tokens and spec not in (None, 0, "auto"):
             raise ValueError("draft_vocab needs num_speculative_tokens > 0 (a stock engine "
                              "drafts nothing)")
-        if num_speculative_tokens:    # a size or share: the list beside the checkpoint
+        if spec == "auto" and not os.path.isfile(os.path.join(path, draft_vocab_lib.FILE)):
+            spec = None                   # no list shipped: the whole vocabulary
+        if num_speculative_tokens and spec is not None:   # resolved against the list
             kw["draft_vocab"] = draft_vocab_lib.resolve(spec, _peek_config(path).vocab_size,
                                                         path)
         meshes = tensor_parallel.make_meshes(tp, dp, devices)
