@@ -206,21 +206,29 @@ def _verify(cfg: Config, params: Params, h, drafts, lanes, first_position, allow
         if extras is None:
             return n_acc, out
         return n_acc, out, _logprobs_out(cfg, lambda: x, out, extras)
-    sampled = lambda: sampling.verify(processed(model.full_logits(cfg, params, h)), drafts,
-                                      lanes, first_position)
+    # Under tensor parallelism the [B, k+1, V] logits are gathered once, in the slow branch;
+    # a lane wanting log probabilities takes it too (they come from the same gathered logits).
+    def slow():
+        x = model.full_logits(cfg, params, h)
+        n_acc, out = sampling.verify(processed(x), drafts, lanes, first_position)
+        if extras is None:
+            return n_acc, out
+        return n_acc, out, _logprobs_out(cfg, lambda: x, out, extras)
+
+    def quick():
+        n_acc, out = sampling.accept(model.argmax_tokens(cfg, params, h), drafts)
+        if extras is None:
+            return n_acc, out
+        B, R = out.shape
+        top = min(TOP_LOGPROBS, cfg.vocab_size)
+        return n_acc, out, (jnp.zeros((B, R), jnp.float32), jnp.zeros((B, R, top), jnp.int32),
+                            jnp.zeros((B, R, top), jnp.float32))
     fast = _all_greedy(lanes)
     if allowed is not None:
         fast = fast & ~grammar.constrained(allowed)
     if extras is not None:
-        fast = fast & ~jnp.any(extras.bias != 0)
-    n_acc, out = lax.cond(fast,
-                          lambda: sampling.accept(model.argmax_tokens(cfg, params, h), drafts),
-                          sampled)
-    if extras is None:
-        return n_acc, out
-    # under tensor parallelism the gathered logits are recomputed here (only when asked)
-    return n_acc, out, _logprobs_out(cfg, lambda: model.full_logits(cfg, params, h), out,
-                                     extras)
+        fast = fast & ~jnp.any(extras.bias != 0) & ~jnp.any(extras.want)
+    return lax.cond(fast, quick, slow)
 
 
 def _sample(cfg: Config, params: Params, h, lanes, positions):
