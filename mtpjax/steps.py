@@ -166,12 +166,16 @@ def token_logprobs(logits, tokens, top: int):
 def _logprobs_out(cfg: Config, logits, tokens, extras: Extras):
     """token_logprobs when some lane wants them, zeros otherwise (lax.cond: a step without
     such a lane pays nothing). logits: a thunk giving the raw target logits [B, R, V]."""
-    B, R = tokens.shape
     top = min(TOP_LOGPROBS, cfg.vocab_size)
-    zeros = lambda: (jnp.zeros((B, R), jnp.float32), jnp.zeros((B, R, top), jnp.int32),
-                     jnp.zeros((B, R, top), jnp.float32))
-    return lax.cond(jnp.any(extras.want),
-                    lambda: token_logprobs(logits(), tokens, top), zeros)
+    return lax.cond(jnp.any(extras.want), lambda: token_logprobs(logits(), tokens, top),
+                    lambda: _no_logprobs(cfg, *tokens.shape))
+
+
+def _no_logprobs(cfg: Config, B: int, R: int):
+    """token_logprobs' outputs for a step where no lane wants them: zeros of their shapes."""
+    top = min(TOP_LOGPROBS, cfg.vocab_size)
+    return (jnp.zeros((B, R), jnp.float32), jnp.zeros((B, R, top), jnp.int32),
+            jnp.zeros((B, R, top), jnp.float32))
 
 
 def _verify(cfg: Config, params: Params, h, drafts, lanes, first_position, allowed=None,
@@ -200,29 +204,22 @@ def _verify(cfg: Config, params: Params, h, drafts, lanes, first_position, allow
             return x
         return lax.cond(grammar.constrained(allowed),
                         lambda: grammar.apply_bitmask(x, allowed), lambda: x)
-    if cfg.tp_axis is None:
+    def slow():          # the full logits (gathered over the shards under tp), sampled
         x = model.full_logits(cfg, params, h)
         n_acc, out = sampling.verify(processed(x), drafts, lanes, first_position)
         if extras is None:
             return n_acc, out
         return n_acc, out, _logprobs_out(cfg, lambda: x, out, extras)
+    if cfg.tp_axis is None:
+        return slow()
     # Under tensor parallelism the [B, k+1, V] logits are gathered once, in the slow branch;
     # a lane wanting log probabilities takes it too (they come from the same gathered logits).
-    def slow():
-        x = model.full_logits(cfg, params, h)
-        n_acc, out = sampling.verify(processed(x), drafts, lanes, first_position)
-        if extras is None:
-            return n_acc, out
-        return n_acc, out, _logprobs_out(cfg, lambda: x, out, extras)
 
     def quick():
         n_acc, out = sampling.accept(model.argmax_tokens(cfg, params, h), drafts)
         if extras is None:
             return n_acc, out
-        B, R = out.shape
-        top = min(TOP_LOGPROBS, cfg.vocab_size)
-        return n_acc, out, (jnp.zeros((B, R), jnp.float32), jnp.zeros((B, R, top), jnp.int32),
-                            jnp.zeros((B, R, top), jnp.float32))
+        return n_acc, out, _no_logprobs(cfg, *out.shape)
     fast = _all_greedy(lanes)
     if allowed is not None:
         fast = fast & ~grammar.constrained(allowed)
