@@ -375,10 +375,19 @@ def busy_pages(jc: JudgeConfig, prompts) -> int:
     """Pool size: busy_fill x the pages every busy lane would hold at its mid-reply length,
     counting the 2K - 1 positions past a lane's last token that a depth-K step writes
     (kv_pool.tokens_touched_decode), so the candidate's deepest step is affordable in the
-    steady state while the pool stays full; stock runs the same pool."""
+    steady state while the pool stays full; stock runs the same pool.
+
+    At most busy_lanes x the pages of the shortest prompt: then busy_lanes fresh requests
+    already fill the pool, so the pool, never the lane count, limits admission ("as many
+    lanes as the page pool admits"). With a larger pool, a wave of requests ending together
+    refilled the lanes with fresh, short sequences, all lanes ran and pages stayed free (use
+    0.65 for several steps); the candidate, whose lanes end in fewer, larger steps, fell
+    below the 0.9 floor in about half its runs (RESULTS.md, "The busy pool")."""
     mean_len = np.mean([len(p) for p in prompts]) + jc.max_new_tokens / 2 + 2 * jc.k + 1
     per_lane = int(np.ceil(mean_len / jc.page_size))
-    return max(int(jc.busy_lanes * per_lane * jc.busy_fill), per_lane + 1)
+    fresh = int(np.ceil(min(len(p) for p in prompts) / jc.page_size))
+    pages = min(int(jc.busy_lanes * per_lane * jc.busy_fill), jc.busy_lanes * fresh)
+    return max(pages, per_lane + 1)
 
 
 def workload_params(jc: JudgeConfig, n: int):

@@ -533,3 +533,23 @@ def test_busy_page_use_is_time_weighted_per_step():
     # per-token samples would count the 0.5 after request 1 ended: (1 + 0.5 + 0.9) / 3 = 0.8
     assert r["page_use_waiting"] == pytest.approx((1.0 * 2 + 0.9 * 1) / 3)
     assert judge._weighted_mean([]) is None
+
+
+def test_busy_pool_is_filled_by_its_lanes_fresh_prompts():
+    """The busy pool is at most what busy_lanes fresh requests hold at admission (the pages of
+    their prompts, kv_pool.tokens_touched_decode at depth 0), so a wave of new, short
+    sequences cannot leave pages free while every lane runs: the pool, not the lane count,
+    limits admission. (The earlier pool, 0.6 x the mid-reply pages, was 57 pages for these
+    prompts: 16 fresh lanes of 48 tokens held 48, and use fell to 0.65 after such waves.)"""
+    from mtpjax.kv_pool import tokens_touched_decode
+    jc = judge.JudgeConfig()
+    prompts = [[1] * 48, [2] * 60, [3] * 50]
+    pages = judge.busy_pages(jc, prompts)
+    fresh = -(-tokens_touched_decode(48 - 1, 0) // jc.page_size)   # the shortest prompt's
+    assert jc.busy_lanes * fresh >= pages
+    mean_len = np.mean([len(p) for p in prompts]) + jc.max_new_tokens / 2 + 2 * jc.k + 1
+    assert pages <= int(jc.busy_lanes * np.ceil(mean_len / jc.page_size) * jc.busy_fill)
+    # a pool the fill fraction already keeps below the fresh lanes' pages stays as it was
+    small = judge.JudgeConfig(busy_fill=0.3)
+    assert judge.busy_pages(small, prompts) == int(
+        small.busy_lanes * np.ceil(mean_len / small.page_size) * 0.3)
