@@ -32,6 +32,18 @@ and what it earns depends on the request. So both are measured while the engine 
   line fitted through noisy deeper samples must not hide what it costs. A switch needs a
   `hysteresis` gain, so noise does not make the depth flap.
 
+A step that carries a prefill chunk (view.chunk > 0: one program per iteration, the chunk
+rides in the decode step) is priced apart, per (lane bucket, chunk bucket): its chunk costs
+the same at every depth, so it is chosen by what a deeper step adds, not by its tokens per
+second, which the chunk's fixed cost would dilute in favour of depth:
+
+  depth = argmax_d tokens(d) - r * mixed_cost(d),  r = the best decode-step rate of the view
+
+(r: what a second spent here would have earned in a decode step). On this CPU a step of 16
+lane slots at depth 2 with a 64-token chunk cost ~2.4x the 8-lane decode step, so mixed
+steps run shallower there; on the H200 the chunk and the drafts cost little next to the
+weights, so they run as deep as decode steps.
+
 A depth-0 step is the stock step (steps.py: no MTP work by default), so a useless MTP head
 costs about nothing: acceptance 0 makes every E_d = 1 and the cheapest depth, 0, wins.
 Lossless whatever it chooses (tests/test_depth.py forces random depth sequences).
@@ -167,10 +179,12 @@ class AdaptiveDepth:
             raise ValueError("AdaptiveDepth needs explore >= 0, refresh >= 1, "
                              f"hysteresis >= 0, min_context >= 1; got {self}")
         self.costs = StepCosts(self.window)
+        self.mixed_costs = StepCosts(self.window)   # steps carrying a chunk, by chunk bucket
         self.pooled: PooledAcceptance | None = None
         self.visits: collections.Counter = collections.Counter()
         self.chosen: collections.Counter = collections.Counter()
         self.last = None
+        self.last_mixed = None
 
     # ---------------------------------------------------------------- estimates
     def _rates(self, lane, pooled: list[float]) -> list[float]:
@@ -207,34 +221,69 @@ class AdaptiveDepth:
             self.pooled = PooledAcceptance(K, self.decay)
         return self.pooled
 
+    def _mixed_cell(self, view: StepView) -> tuple[int, int]:
+        """A chunk-carrying step's cost cell: (lane bucket, chunk bucket: powers of two)."""
+        return view.bucket, context_bucket(view.chunk, 16)
+
+    def mixed_values(self, view: StepView) -> list[float | None] | None:
+        """For a step carrying a chunk: tokens(d) - r * mixed_cost(d) at each depth (None where
+        no cost is known), r the best decode rate of the view; None when r is unknown."""
+        rates = [r for r in self.throughput(view) if r is not None]
+        if not rates:
+            return None
+        r = max(rates)
+        toks = self.expected_tokens(view)
+        out = []
+        for d in range(view.K + 1):
+            c = self.mixed_costs.estimate(d, *self._mixed_cell(view), view.K)
+            out.append(None if c is None else toks[d] - r * c)
+        return out
+
     # ---------------------------------------------------------------- the policy
     def __call__(self, view: StepView) -> int:
         top = max(min(view.K, view.max_depth), 0)
         if top == 0:
             return 0
+        if view.chunk > 0:
+            values = self.mixed_values(view)
+            if values is not None and any(v is not None for v in values[:top + 1]):
+                return self._choose(values[:top + 1], top, self.mixed_costs,
+                                    ("mixed",) + self._mixed_cell(view), mixed=True)
         cell = (view.bucket, context_bucket(view.context, self.min_context))
-        self.visits[cell] += 1
         rate = self.throughput(view)[:top + 1]
         if all(r is None for r in rate):       # nothing measured yet: equal costs
             toks = self.expected_tokens(view)[:top + 1]
             rate = [t / 1.0 for t in toks]
-        rate = [r if r is not None else 0.0 for r in rate]
-        best = max(range(top + 1), key=lambda d: (rate[d], -d))
-        last = self.last if self.last is not None and self.last <= top else None
-        if last is not None and rate[best] <= rate[last] * (1 + self.hysteresis):
+        return self._choose(rate, top, self.costs, cell)
+
+    def _choose(self, score, top: int, costs: StepCosts, cell, mixed: bool = False) -> int:
+        """The best-scoring depth (ties: the shallower) with hysteresis against the last
+        choice of its kind (decode or mixed), then local exploration."""
+        self.visits[cell] += 1
+        floor = min((v for v in score if v is not None), default=0.0)
+        score = [v if v is not None else floor - 1.0 for v in score]
+        best = max(range(top + 1), key=lambda d: (score[d], -d))
+        last = self.last_mixed if mixed else self.last
+        last = last if last is not None and last <= top else None
+        margin = self.hysteresis * abs(score[last]) if last is not None else 0.0
+        if last is not None and score[best] <= score[last] + margin:
             best = last
-        pick = self._explore(best, top, cell)
-        self.last = best
+        pick = self._explore(best, top, costs, cell)
+        if mixed:
+            self.last_mixed = best
+        else:
+            self.last = best
         self.chosen[pick] += 1
         return pick
 
-    def _explore(self, best: int, top: int, cell) -> int:
+    def _explore(self, best: int, top: int, costs: StepCosts, cell) -> int:
         """The neighbours of the best depth, and depth 0 (the fallback that must be known: a
         line through noisy deeper samples can hide how cheap it is), get `explore` samples in
         each cell first, then one every `refresh` visits in turn."""
+        where = cell[1:] if cell[0] == "mixed" else cell
         cand = [d for d in dict.fromkeys((best + 1, best - 1, 0)) if 0 <= d <= top and d != best]
         for d in cand:
-            if self.costs.count(d, *cell) < self.explore:
+            if costs.count(d, *where) < self.explore:
                 return d
         if cand and self.visits[cell] % self.refresh == 0:
             return cand[(self.visits[cell] // self.refresh) % len(cand)]
@@ -245,7 +294,9 @@ class AdaptiveDepth:
         engine's clock (wall, or modelled with a VirtualClock), the lanes' accepted drafts
         (in view.lanes order) and whether the call compiled (its seconds are then no step
         cost)."""
-        if not compiled:
+        if not compiled and view.chunk > 0:
+            self.mixed_costs.record(depth, *self._mixed_cell(view), seconds)
+        elif not compiled:
             self.costs.record(depth, view.bucket, context_bucket(view.context, self.min_context),
                               seconds)
         pool = self._pool(view.K)
@@ -259,7 +310,9 @@ class AdaptiveDepth:
         return {"chosen": dict(sorted(self.chosen.items())),
                 "pooled_acceptance": [] if self.pooled is None else self.pooled.rates(),
                 "costs_ms": {f"d{d}/b{b}/c{c}": round(1e3 * self.costs.measured(d, b, c), 3)
-                             for d, b, c in sorted(self.costs._t)}}
+                             for d, b, c in sorted(self.costs._t)},
+                "mixed_costs_ms": {f"d{d}/b{b}/t{t}": round(1e3 * self.mixed_costs.measured(
+                    d, b, t), 3) for d, b, t in sorted(self.mixed_costs._t)}}
 
 
 def predict(step_seconds, acceptance, lanes: int = 1) -> tuple[int, list[float]]:

@@ -786,10 +786,11 @@ class Engine:
         observe = getattr(self.policy, "observe", None)
         if observe is not None and batch.view is not None:
             # a first call compiles: its wall time is no step cost (modelled time is); a step
-            # that carried a chunk is no decode cost either
+            # that carried a chunk is priced as such (view.chunk > 0: the policy keeps those
+            # apart, depth.AdaptiveDepth)
             observe(dataclasses.replace(batch.view, bucket=self.lane_bucket(batch.decode)),
                     batch.k, seconds, [int(n_acc[r.lane]) for r in batch.rows],
-                    w is not None or (compiled and not clocked))
+                    compiled and not clocked)
         self.depth_steps[batch.k] += 1
         t2 = time.perf_counter()
         first = []

@@ -214,6 +214,7 @@ class StepView:
     lanes: tuple[LaneView, ...]   # the decoding lanes, in lane order
     bucket: int               # lane slots the step runs (the engine's lane bucket)
     step: int                 # scheduler iteration
+    chunk: int = 0            # tokens of the prefill chunk riding in the step (0: none)
 
     @property
     def context(self) -> int:
@@ -438,8 +439,10 @@ class Scheduler:
         k = 0
         if decode:
             top = len(running)     # busy lanes are 0..n-1 after compaction
+            rides = (self._chunk_end(self.lanes[pre]) - self.lanes[pre].prefilled
+                     if pre is not None else 0)
             view = StepView(self.k, max_depth, tuple(self._lane_view(b) for b in decode),
-                            self.bucket(top), self.step)
+                            self.bucket(top), self.step, rides)
             k = self.policy(view)
             if not (isinstance(k, int) and 0 <= k <= self.k):
                 raise ValueError(f"speculation policy returned {k!r}; it must return a depth "
@@ -481,7 +484,8 @@ class Scheduler:
         view = None
         if rows:
             view = StepView(self.k, max_depth, tuple(self._lane_view(r.lane) for r in rows),
-                            self.bucket(len(self._running())), self.step)
+                            self.bucket(len(self._running())), self.step,
+                            0 if work is None else len(work.tokens))
         restores = []
         for b, ln in enumerate(self.lanes):
             if ln is not None and ln.restore is not None:

@@ -238,6 +238,52 @@ def _drive(policy, accept, cost, steps=400, lanes=1, max_depth=K, k=K):
     return picks
 
 
+def _drive_mixed(policy, accept, cost, mixed_cost, steps=600, lanes=8, every=4):
+    """_drive with every `every`-th step carrying a 48-token prefill chunk that costs
+    mixed_cost(d) at depth d. Returns (decode picks, mixed picks)."""
+    rng = random.Random(0)
+    stats = RequestStats.for_depth(K)
+    picks = {False: [], True: []}
+    for i in range(steps):
+        chunk = 48 if i % every == 0 else 0
+        view = StepView(K, K, tuple(LaneView(j, 100, K, stats) for j in range(lanes)), lanes,
+                        i, chunk)
+        d = policy(view)
+        acc = []
+        for _ in range(lanes):
+            n = 0
+            while n < d and rng.random() < accept[n]:
+                n += 1
+            acc.append(n)
+            for j in range(min(d, n + 1)):
+                stats.tried_per_position[j] += 1
+                stats.accepted_per_position[j] += j < n
+        policy.observe(view, d, (mixed_cost if chunk else cost)(d), acc, False)
+        picks[bool(chunk)].append(d)
+    return picks[False], picks[True]
+
+
+def test_steps_carrying_a_chunk_are_priced_apart_by_what_depth_adds():
+    """A chunk's cost is the same at every depth, so a mixed step is chosen by tokens(d) -
+    r x cost(d) (r: the decode rate), not by its tokens per second. Decode: accept 0.9 and
+    cost 1 + 0.3 d favour depth 1 (as above). Mixed steps where each depth adds 4 s next to
+    a 10 s chunk: a rate rule would run them at depth 1 ((1 + 0.9) / 14 > 1 / 10 per lane:
+    the chunk dilutes the cost), the marginal rule at depth 0 (0.9 tokens for 4 s, where a
+    decode step earns 1.46 per s); mixed steps whose depth costs what a decode step's does follow the
+    decode depth."""
+    accept = [0.9, 0.2, 0.1]
+    decode = lambda d: 1.0 + 0.3 * d
+    dec, mix = _drive_mixed(AdaptiveDepth(), accept, decode, lambda d: 10.0 + 4.0 * d)
+    assert dec[-200:].count(1) >= 190
+    assert mix[-40:].count(0) >= 38
+    dec, mix = _drive_mixed(AdaptiveDepth(), accept, decode, lambda d: 10.0 + 0.3 * d)
+    assert dec[-200:].count(1) >= 190 and mix[-40:].count(1) >= 38
+    rep = AdaptiveDepth()
+    _drive_mixed(rep, accept, decode, lambda d: 10.0 + 4.0 * d, steps=40)
+    assert rep.report()["mixed_costs_ms"] and all(k.endswith("/t64")
+                                                  for k in rep.report()["mixed_costs_ms"])
+
+
 def test_useless_head_settles_on_depth_zero():
     picks = _drive(AdaptiveDepth(), accept=[0.0] * K, cost=lambda d: 1.0 + 0.2 * d)
     assert picks[-200:].count(0) >= 190

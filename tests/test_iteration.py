@@ -167,6 +167,34 @@ def test_the_policy_hears_each_lanes_acceptance_under_its_own_request():
     assert e.stats()["lane_moves"] > 0
 
 
+class ChunkSeer:
+    """Depth K; records the chunk tokens of each view it is asked about and told about."""
+
+    def __init__(self):
+        self.asked, self.told = [], []
+
+    def __call__(self, view):
+        self.asked.append(view.chunk)
+        return view.K
+
+    def observe(self, view, depth, seconds, accepted, compiled):
+        self.told.append((view.chunk, compiled))
+
+
+def test_the_policy_prices_steps_carrying_a_chunk():
+    """A step carrying a chunk reaches the policy marked with the chunk's tokens, when asked
+    for its depth and when its cost is reported (depth.AdaptiveDepth prices those apart);
+    the engine used to withhold them."""
+    seer = ChunkSeer()
+    e = _engine(speculation_policy=seer, max_lanes=2, prefix_cache=False)
+    e.generate(PROMPTS[:4], [SamplingParams(max_new_tokens=12)] * 4)
+    assert e.timing["mixed_steps"] > 0
+    rode = [c for c in seer.asked if c > 0]
+    assert len(rode) == e.timing["mixed_steps"] and all(c <= 16 for c in rode)
+    assert sum(c > 0 for c, _ in seer.told) == e.timing["mixed_steps"]
+    assert len(seer.told) == e.timing["steps"]
+
+
 # ------------------------------------------------------------------------------ 4. prefix cache
 
 def test_a_failing_snapshot_save_publishes_no_entry(plain, monkeypatch):
