@@ -218,6 +218,8 @@ class PrefixCache:
                 "tokens_reused": s.tokens_reused,
                 "reused_fraction": s.tokens_reused / s.lookup_tokens if s.lookup_tokens else 0.0,
                 "snapshots": len(self.entries), "snapshot_slots": self.num_slots,
+                "snapshot_slots_free": len(self.free_slots),
+                "snapshots_pending": len(self.pending),
                 "snapshot_bytes": len(self.entries) * self.snapshot_bytes,
                 "slot_bytes": self.num_slots * self.snapshot_bytes,
                 "cached_pages": self.alloc.held_pages,

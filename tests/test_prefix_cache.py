@@ -230,10 +230,13 @@ def test_mock_prefix_hits_read_the_right_pages_under_pressure(k):
         preempted += sched.preemptions
     r = cache.report()
     assert r["hits"] > 10 and r["tokens_reused"] > 100 and r["evicted"] > 0
+    assert r["snapshots_pending"] == 0                       # every slot is cached or free
+    assert r["snapshot_slots_free"] + r["snapshots"] == r["snapshot_slots"]
     assert preempted > 0
     cache.clear()
     alloc.check()
     assert alloc.free_pages == pages
+    assert cache.report()["snapshot_slots_free"] == cache.report()["snapshot_slots"]
 
 
 # ------------------------------------------------------------------------------ engine

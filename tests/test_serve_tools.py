@@ -23,6 +23,8 @@ from mtpjax.serving.parsing import ParsedRequest
 from mtpjax.serving.online import Delta
 from mtpjax.serving.tool_parser import parse_tool_calls
 
+from json_schema_check import matches
+
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"},
                                      "days": {"type": "integer"}}}}}]
@@ -162,24 +164,6 @@ FORCED_TOOLS = [{"type": "function", "function": {"name": "get_weather", "parame
 SCHEMAS = {t["function"]["name"]: t["function"].get("parameters", {"type": "object"})
            for t in FORCED_TOOLS}
 _ENGINES = {}
-
-
-def matches(v, schema) -> bool:
-    """The JSON-schema keywords FORCED_TOOLS use."""
-    if "enum" in schema and v not in schema["enum"]:
-        return False
-    t = schema.get("type")
-    if t == "object":
-        props = schema.get("properties", {})
-        return (isinstance(v, dict) and set(schema.get("required", ())) <= set(v)
-                and (schema.get("additionalProperties", True) or set(v) <= set(props))
-                and all(matches(v[p], props[p]) for p in v if p in props))
-    if t == "string":
-        return isinstance(v, str) and len(v) <= schema.get("maxLength", len(v))
-    if t == "integer":
-        return (isinstance(v, int) and not isinstance(v, bool)
-                and schema.get("minimum", v) <= v <= schema.get("maximum", v))
-    return True
 
 
 def test_the_validator_refuses_what_the_schema_does():

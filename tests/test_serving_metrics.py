@@ -14,7 +14,8 @@ from mtpjax.serving.online import ITERATION_BUCKETS, OnlineStats
 ENGINE = {"free_pages": 5, "total_pages": 9, "steps": 12, "step_s": 0.5, "prefill_s": 0.25,
           "prefill_chunks": 3, "preemptions": 1, "depth_steps": [2, 10],
           "prefix_cache": {"lookups": 6, "hits": 4, "tokens_reused": 64, "inserted": 3,
-                           "evicted": 1, "snapshots": 2, "snapshot_slots": 4, "cached_pages": 3,
+                           "evicted": 1, "snapshots": 2, "snapshot_slots": 4,
+                           "snapshot_slots_free": 1, "snapshots_pending": 1, "cached_pages": 3,
                            "hit_rate": 4 / 6, "reused_fraction": 0.5, "slot_bytes": 7}}
 
 
@@ -41,6 +42,7 @@ COUNTERS = ["mtpjax_requests_finished", "mtpjax_prompt_tokens", "mtpjax_generati
 GAUGES = ["mtpjax_requests_running", "mtpjax_requests_waiting", "mtpjax_tokens_per_verify_step",
           "mtpjax_draft_acceptance_rate", "mtpjax_kv_free_pages", "mtpjax_kv_total_pages",
           "mtpjax_prefix_cache_snapshots", "mtpjax_prefix_cache_snapshot_slots",
+          "mtpjax_prefix_cache_snapshot_slots_free", "mtpjax_prefix_cache_snapshots_pending",
           "mtpjax_prefix_cache_cached_pages", "mtpjax_prefix_cache_hit_rate",
           "mtpjax_prefix_cache_reused_fraction"]
 
@@ -88,6 +90,10 @@ def test_values_follow_the_snapshot():
                  depth="1") == 10
     assert value(fams["mtpjax_prefix_cache_evicted"], "mtpjax_prefix_cache_evicted_total") == 1
     assert value(fams["mtpjax_kv_free_pages"], "mtpjax_kv_free_pages") == 5
+    assert value(fams["mtpjax_prefix_cache_snapshot_slots_free"],
+                 "mtpjax_prefix_cache_snapshot_slots_free") == 1
+    assert value(fams["mtpjax_prefix_cache_snapshots_pending"],
+                 "mtpjax_prefix_cache_snapshots_pending") == 1
     h = fams["mtpjax_iteration_seconds"]
     cum = [value(h, "mtpjax_iteration_seconds_bucket", le=str(float(le)))
            for le in ITERATION_BUCKETS] + [value(h, "mtpjax_iteration_seconds_bucket",

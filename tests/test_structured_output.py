@@ -22,6 +22,8 @@ from mtpjax import grammar, steps
 from mtpjax.sampling import SamplingParams
 from mtpjax.text import Tokenizer
 
+from json_schema_check import matches
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CKPT = os.path.join(REPO, "checkpoints", "tiny")
 K = 3
@@ -52,27 +54,15 @@ def engine(k):
     return _ENGINES[k]
 
 
-def matches(v, schema=SCHEMA) -> bool:
-    """The few JSON-schema keywords SCHEMA uses."""
-    if "enum" in schema:
-        return v in schema["enum"]
-    t = schema.get("type")
-    if t == "object":
-        props = schema.get("properties", {})
-        return (isinstance(v, dict) and set(schema.get("required", ())) <= set(v)
-                and (schema.get("additionalProperties", True) or set(v) <= set(props))
-                and all(matches(v[p], props[p]) for p in v if p in props))
-    if t == "array":
-        return (isinstance(v, list) and len(v) <= schema.get("maxItems", len(v))
-                and all(matches(x, schema["items"]) for x in v))
-    if t == "string":
-        return isinstance(v, str) and len(v) <= schema.get("maxLength", len(v))
-    if t == "integer":
-        return (isinstance(v, int) and not isinstance(v, bool)
-                and schema.get("minimum", v) <= v <= schema.get("maximum", v))
-    if t == "boolean":
-        return isinstance(v, bool)
-    return True
+def test_the_validator_refuses_what_the_schema_does():
+    ok = {"name": "Ada", "age": 36, "ok": True, "tags": ["a", "c"]}
+    assert matches(ok, SCHEMA)
+    for bad in ({**ok, "age": 121}, {**ok, "age": True}, {**ok, "ok": 1}, {**ok, "name": "x" * 11},
+                {**ok, "tags": ["a", "b", "c", "a"]}, {**ok, "tags": ["d"]}, {**ok, "more": 1},
+                {k: v for k, v in ok.items() if k != "tags"}, [ok]):
+        assert not matches(bad, SCHEMA), bad
+    with pytest.raises(ValueError, match="pattern"):
+        matches("x", {"type": "string", "pattern": "x"})     # not checked: refused
 
 
 PARAMS = [SamplingParams(max_new_tokens=80)] + [
@@ -95,7 +85,7 @@ def test_speculative_constrained_equals_plain_constrained(runs, tok, i):
         assert b.token_ids == a.token_ids
         assert b.finish_reason == a.finish_reason == "stop", (a.finish_reason, a.error)
         v = json.loads(tok.decode(a.token_ids))
-        assert matches(v), v
+        assert matches(v, SCHEMA), v
 
 
 def test_speculation_ran_and_drafts_were_rejected_and_accepted(runs):
@@ -260,7 +250,7 @@ def test_server_json_schema(http, temperature):
     assert r.status_code == 200, r.text
     choice = r.json()["choices"][0]
     assert choice["finish_reason"] == "stop"
-    assert matches(json.loads(choice["message"]["content"]))
+    assert matches(json.loads(choice["message"]["content"]), SCHEMA)
 
 
 def test_server_json_object(http):

@@ -7,8 +7,10 @@ snapshot; a custom collector turns that snapshot into metric families at scrape 
 second set of counters can drift from the first. Types follow what a value is: running totals
 that only grow (requests, tokens, steps, seconds spent, prefix-cache lookups, hits, evictions,
 tokens reused) are counters (exposed as `<name>_total`); levels that go up and down (running
-and waiting requests, free pages, cached snapshots) and ratios are gauges; iteration time is a
-histogram. Every sample carries a `model` label.
+and waiting requests, free pages, cached, pending and free snapshot slots) and ratios are
+gauges; iteration time is a histogram. Every sample carries a `model` label. An idle server
+that leaks nothing shows free pages == total pages and free + cached snapshot slots == all
+slots, none pending (tests/test_serve_load.py checks it after a load with faults).
 
 Each server gets its own `CollectorRegistry` (`make_registry`), so tests and several servers in
 one process never share or clash on metric names; the process-wide default registry is left
@@ -37,6 +39,8 @@ PREFIX_COUNTERS = {"lookups": "Prefix-cache lookups (one per admitted prompt).",
                    "evicted": "Prefixes evicted from the cache."}
 PREFIX_GAUGES = {"snapshots": "Cached prefix snapshots.",
                  "snapshot_slots": "Snapshot slots in the pool.",
+                 "snapshot_slots_free": "Snapshot slots neither cached nor being saved.",
+                 "snapshots_pending": "Snapshots being saved (slots taken, not yet cached).",
                  "cached_pages": "KV pages held by the prefix cache.",
                  "hit_rate": "Hits per lookup so far.",
                  "reused_fraction": "Reused share of looked-up prompt tokens so far."}
