@@ -10,8 +10,12 @@ Nothing here touches the device; `Engine` still only sees lists of token ids.
   of a UTF-8 character; such a tail is held back until the character is complete, so streamed
   pieces never contain a spurious U+FFFD and their concatenation (after `flush`) is exactly
   `Tokenizer.decode(all ids)`.
-* `apply_chat_template` renders Qwen3.5's ChatML (spec §7) without Jinja.
+* `apply_chat_template` renders Qwen3.5's ChatML (spec §7) without Jinja: the fallback for a
+  checkpoint that ships no chat template.
 * `TextEngine.generate` / `TextEngine.chat` return `TextOutput`s: `RequestOutput` plus `.text`.
+  `chat` renders with the checkpoint's own Jinja template when it has one
+  (mtpjax/serving/chat_template.py, the one the server uses), so offline and served chats
+  tokenize alike.
 """
 
 from __future__ import annotations
@@ -265,18 +269,28 @@ class TextEngine:
     characters come out at the end of the batch); on_token(i, new_ids) is passed through.
     """
 
-    def __init__(self, engine: Engine, tokenizer: Tokenizer, skip_special_tokens: bool = False):
+    def __init__(self, engine: Engine, tokenizer: Tokenizer, skip_special_tokens: bool = False,
+                 chat_template=None):
+        """chat_template: a serving.chat_template.ChatTemplate (None: the built-in ChatML,
+        `apply_chat_template`); from_checkpoint passes the checkpoint's."""
         if tokenizer.vocab_size > engine.cfg.vocab_size:
             raise ValueError(f"tokenizer has {tokenizer.vocab_size} ids but the model's "
                              f"vocab_size is {engine.cfg.vocab_size}")
+        from mtpjax.serving.chat_template import ChatTemplate
         self.engine, self.tokenizer = engine, tokenizer
         self.skip_special_tokens = skip_special_tokens
+        self.chat_template = ChatTemplate() if chat_template is None else chat_template
 
     @classmethod
     def from_checkpoint(cls, path: str, dtype: str = "float32", num_speculative_tokens: int = 0,
                         **engine_kw) -> "TextEngine":
+        """The checkpoint's tokenizer, chat template (its Jinja `chat_template`, else the
+        built-in ChatML) and engine."""
+        from mtpjax.serving.chat_template import load_chat_template
         tok = Tokenizer.from_checkpoint(path)  # fail before loading weights
-        return cls(Engine.from_checkpoint(path, dtype, num_speculative_tokens, **engine_kw), tok)
+        template = load_chat_template(path)
+        return cls(Engine.from_checkpoint(path, dtype, num_speculative_tokens, **engine_kw), tok,
+                   chat_template=template)
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -329,13 +343,17 @@ class TextEngine:
     def chat(self, conversations: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping]],
              params: SamplingParams | Sequence[SamplingParams] = SamplingParams(),
              enable_thinking: bool = True, on_text: Callable[[int, str], None] | None = None,
-             on_token: Callable[[int, list[int]], None] | None = None) -> list[TextOutput]:
-        """Render each conversation with `apply_chat_template` (generation prompt added) and
-        generate; `<|im_end|>`/`<|endoftext|>` are added to the stop ids. One message list is
-        one conversation."""
+             on_token: Callable[[int, list[int]], None] | None = None,
+             tools: Sequence[Mapping[str, Any]] | None = None) -> list[TextOutput]:
+        """Render each conversation with the engine's chat template (`self.chat_template`:
+        the checkpoint's Jinja template, else the built-in ChatML; generation prompt added,
+        `tools` given to the template) and generate; `<|im_end|>`/`<|endoftext|>` are added
+        to the stop ids. One message list is one conversation. A template that refuses the
+        chat raises ChatTemplateError (a ValueError) naming why."""
         if conversations and isinstance(conversations[0], Mapping):
             conversations = [conversations]
-        prompts = [apply_chat_template(c, True, enable_thinking) for c in conversations]
+        prompts = [self.chat_template.render(c, True, tools, {"enable_thinking": enable_thinking})
+                   for c in conversations]
         plist = [params] * len(prompts) if isinstance(params, SamplingParams) else list(params)
         extra = self.tokenizer.stop_ids()
         plist = [dataclasses.replace(sp, stop_token_ids=tuple(dict.fromkeys(

@@ -239,7 +239,7 @@ def test_text_engine(ckpt, tok):
     assert single.token_ids == outs[0].token_ids
     (c,) = te.chat([{"role": "user", "content": "Hello"}], sp, enable_thinking=False)
     prompt = apply_chat_template([{"role": "user", "content": "Hello"}], enable_thinking=False)
-    assert c.prompt_token_ids == tok.encode(prompt)
+    assert c.prompt_token_ids == tok.encode(prompt)     # this checkpoint ships no template
     assert tok.token_to_id("<|im_end|>") not in c.token_ids[:-1]
     with pytest.raises(TypeError, match="str or a list of token ids"):
         te.generate([3.5], sp)
@@ -261,3 +261,20 @@ def test_generate_subcommand(ckpt):
                         f"--checkpoint={ckpt}/missing"], cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode != 0 and "checkpoint folder not found" in r.stderr
+
+
+def test_text_engine_chats_with_the_checkpoints_own_template(ckpt, tmp_path):
+    """TextEngine.from_checkpoint renders chats with the checkpoint's Jinja chat_template
+    (the server's), not the built-in ChatML: a template that differs from it shows."""
+    import shutil
+    folder = str(tmp_path / "templated")
+    shutil.copytree(ckpt, folder)
+    with open(os.path.join(folder, "chat_template.jinja"), "w") as f:
+        f.write("{% for m in messages %}<|im_start|>{{ m.role }}\n[{{ m.content }}]<|im_end|>\n"
+                "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    te = TextEngine.from_checkpoint(folder, max_lanes=1, max_seq_len=64, prefill_chunk=16)
+    msgs = [{"role": "user", "content": "Hello"}]
+    (c,) = te.chat(msgs, SamplingParams(max_new_tokens=2))
+    want = "<|im_start|>user\n[Hello]<|im_end|>\n<|im_start|>assistant\n"
+    assert c.prompt_token_ids == te.tokenizer.encode(want)
+    assert want != apply_chat_template(msgs)
