@@ -8,8 +8,9 @@ Three layers, each able to fail:
   2. the model's moved bytes (Cost.bytes) against traffic() of the engine's own programs,
      compiled deviceless for a config with the 27B's widths (hidden 5120, heads, GDN dims,
      vocabulary) but two layers (one GDN, one full attention): within 3% for decode depths
-     0..4 at 1, 8 and 32 lanes, the decode step carrying a prefill chunk ("mixed": depths 0
-     and 2 at 8 lanes, 64- and 512-token chunks), prefill chunks alone 64 / 512 / 2048, the
+     0..4 at 8 lanes and 0, 1, 4 at 1 and 32, the decode step carrying a prefill chunk ("mixed":
+     depth 0 with a 512-token chunk, depth 2 with 64, at 8 lanes), prefill chunks alone 64 /
+     512 / 2048, the
      draft, move_lane and the snapshot save / restore. Cost.must_read is the floor: never
      above the moved bytes. A mixed iteration reads the target weights once: its audited
      weight reads exceed its decode step's by the chunk's MTP KV fill only;
@@ -94,8 +95,11 @@ def test_traffic_counts_loop_trips(h200):
 # seconds. The full 27B (64 layers) is checked by `python -m experiments aot --kernel_counts`.
 CFG = dataclasses.replace(qwen3_5_27b(), layer_types=(LINEAR, FULL))
 K, CTX = 4, 1024
-MIXED = [(8, f"mixed_k{d}_t{T}") for d in (0, 2) for T in (64, 512)]
-CASES = ([(B, f"decode_k{d}") for B in (1, 8, 32) for d in range(K + 1)] + MIXED
+# Every depth at 8 lanes; the ends and depth 1 at 1 and 32 lanes (the other depths there are
+# checked against the stored full-27B audit, part 2b, without compiling): CI time.
+MIXED = [(8, "mixed_k0_t512"), (8, "mixed_k2_t64")]
+CASES = ([(B, f"decode_k{d}") for B in (1, 8, 32) for d in range(K + 1)
+          if B == 8 or d in (0, 1, K)] + MIXED
          + [(1, "prefill_t64"), (1, "prefill_t512"), (1, "prefill_t2048"), (8, "draft"),
             (8, "move_lane"), (8, "snapshot_save"), (8, "snapshot_restore")])
 
