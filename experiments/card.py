@@ -211,6 +211,11 @@ def render_depth_md(c: dict) -> list[str]:
             chosen = ", ".join(f"d{d} {n}" for d, n in r["chosen"].items())
             lines.append(f"- {w}: chosen {chosen or 'none'} · pooled {_rates(r['pooled_acceptance'])}")
             lines.append(f"  - cost ms: {cells or 'none measured'}")
+            mixed = "; ".join(f"{cell}: " + ", ".join(f"d{d} {ms:.2f}" for d, ms in v.items())
+                              for cell, v in r.get("mixed_costs_ms", {}).items())
+            if mixed:
+                lines.append(f"  - cost ms with a prefill chunk riding (b lanes / t chunk "
+                             f"tokens): {mixed}")
     wu = st.get("warmup")
     if wu:
         lines += ["", "Engine warm-up (every program a run can launch, before any timed work; "

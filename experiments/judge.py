@@ -560,21 +560,27 @@ def sum_depths(runs) -> list[int]:
 def policy_report(engine) -> dict | None:
     """The adaptive policy's own account, per dp replica (None for a fixed depth): depths it
     chose (cumulative: the untimed pass included), pooled conditional acceptance, and its
-    measured step costs as {"b<lanes>/c<context>": {depth: median ms}}."""
+    measured step costs as {"b<lanes>/c<context>": {depth: median ms}} (and those of steps
+    carrying a prefill chunk, mixed_costs_ms, per "b<lanes>/t<chunk bucket>")."""
     reps = [e.policy for e in getattr(engine, "replicas", [engine])]
     if not all(hasattr(p, "report") for p in reps):
         return None
     out = []
     for p in reps:
         r = p.report()
-        cells: dict = {}
-        for key, ms in r["costs_ms"].items():
-            d, cell = key.split("/", 1)
-            cells.setdefault(cell, {})[int(d[1:])] = ms
-        order = sorted(cells, key=lambda cell: tuple(int(x[1:]) for x in cell.split("/")))
+
+        def by_cell(costs: dict) -> dict:
+            cells: dict = {}
+            for key, ms in costs.items():
+                d, cell = key.split("/", 1)
+                cells.setdefault(cell, {})[int(d[1:])] = ms
+            order = sorted(cells, key=lambda cell: tuple(int(x[1:]) for x in cell.split("/")))
+            return {c: dict(sorted(cells[c].items())) for c in order}
         out.append({"chosen": {int(d): int(n) for d, n in r["chosen"].items()},
                     "pooled_acceptance": [float(x) for x in r["pooled_acceptance"]],
-                    "costs_ms": {c: dict(sorted(cells[c].items())) for c in order}})
+                    "costs_ms": by_cell(r["costs_ms"]),
+                    # steps carrying a prefill chunk: {"b<lanes>/t<chunk bucket>": {depth: ms}}
+                    "mixed_costs_ms": by_cell(r.get("mixed_costs_ms", {}))})
     return {"name": type(reps[0]).__name__, "replicas": out}
 
 

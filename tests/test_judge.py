@@ -240,7 +240,8 @@ def test_policy_report_groups_costs_by_cell():
         def report(self):
             return {"chosen": {0: 3, 2: 5}, "pooled_acceptance": [0.5, 0.25],
                     "costs_ms": {"d0/b2/c64": 1.0, "d2/b2/c64": 2.0, "d1/b16/c128": 3.0,
-                                 "d0/b4/c64": 4.0}}
+                                 "d0/b4/c64": 4.0},
+                    "mixed_costs_ms": {"d1/b8/t64": 5.0, "d0/b8/t64": 6.0}}
 
     class FakeEngine:
         policy = FakePolicy()
@@ -249,6 +250,7 @@ def test_policy_report_groups_costs_by_cell():
     assert r["costs_ms"] == {"b2/c64": {0: 1.0, 2: 2.0}, "b4/c64": {0: 4.0},
                              "b16/c128": {1: 3.0}}
     assert list(r["costs_ms"]) == ["b2/c64", "b4/c64", "b16/c128"]
+    assert r["mixed_costs_ms"] == {"b8/t64": {0: 6.0, 1: 5.0}}
     assert r["chosen"] == {0: 3, 2: 5}
     FakeEngine.policy = mtpjax.engine.SpeculationPolicy()
     assert judge.policy_report(FakeEngine()) is None
