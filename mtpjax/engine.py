@@ -317,9 +317,6 @@ class Engine:
         self.alloc = PageAllocator(num_pages, page_size, lane_slots, self.pages_per_lane,
                                    pool_pages=pool_pages)      # checks pool_pages >= num_pages
         self.pool_pages = pool_pages = self.alloc.sentinel
-        self.cache = tensor_parallel.init_paged_cache(cfg, mesh, lane_slots, pool_pages,
-                                                      page_size, k + 1, self.dtype)
-        self.state = steps.LaneState.empty(lane_slots, k)
         if snapshot_every_blocks < 1:
             raise ValueError(f"snapshot_every_blocks must be >= 1, got {snapshot_every_blocks}")
         self.every_blocks = int(snapshot_every_blocks)
@@ -331,15 +328,13 @@ class Engine:
             if slots < 1:
                 raise ValueError(f"prefix_snapshots must be >= 1, got {slots}")
             snap_b = snapshots.snapshot_bytes(cfg, self.dtype)
-            self.snaps = snapshots.init_snapshots(cfg, mesh, slots, self.dtype)
             # The slots are their own fixed allocation (slots x snap_b bytes, in stats()), so
             # a snapshot is not also charged pool pages: cached KV pages are pool pages that
             # requests take back on demand, and the cache never lowers request capacity.
             self.prefix = PrefixCache(self.alloc, num_slots=slots, snapshot_pages=0,
                                       snapshot_bytes=snap_b, every_blocks=self.every_blocks,
                                       next_token_in_key=k > 0)
-        if mesh is not None:
-            self.state = jax.device_put(self.state, NamedSharding(mesh, PartitionSpec()))
+        self.cache, self.state, self.snaps = self._device_state()
         self.timing = {"prefill_s": 0.0, "step_s": 0.0, "host_s": 0.0, "steps": 0,
                        "plain_steps": 0, "mixed_steps": 0, "prefill_chunks": 0,
                        "lane_moves": 0}
@@ -625,16 +620,24 @@ class Engine:
                                    self.pages_per_lane, pool_pages=self.pool_pages)
         if self.prefix is not None:
             self.prefix = self._empty_prefix_cache(self.prefix, self.alloc)
-        self.cache = tensor_parallel.init_paged_cache(self.cfg, self.mesh, self.lane_slots,
-                                                      self.pool_pages, self.page_size,
-                                                      self.k + 1, self.dtype)
+        self.cache, self.state, self.snaps = self._device_state()
+
+    def _device_state(self):
+        """A fresh (cache, lane state, snapshot store or None) for this engine's shapes: the KV
+        pool and GDN slots of every lane slot, zero lane state (replicated over a mesh) and
+        the prefix cache's snapshot slots. The constructor and reset_device_state both
+        build it here. Allocated one after the other: a failure leaves nothing half-built
+        referenced."""
+        cache = tensor_parallel.init_paged_cache(self.cfg, self.mesh, self.lane_slots,
+                                                 self.pool_pages, self.page_size, self.k + 1,
+                                                 self.dtype)
         state = steps.LaneState.empty(self.lane_slots, self.k)
         if self.mesh is not None:
             state = jax.device_put(state, NamedSharding(self.mesh, PartitionSpec()))
-        self.state = state
-        if self.prefix is not None:
-            self.snaps = snapshots.init_snapshots(self.cfg, self.mesh, self.prefix.num_slots,
-                                                  self.dtype)
+        snaps = (None if self.prefix is None else
+                 snapshots.init_snapshots(self.cfg, self.mesh, self.prefix.num_slots,
+                                          self.dtype))
+        return cache, state, snaps
 
     @staticmethod
     def _delete_arrays(tree) -> None:
