@@ -366,9 +366,18 @@ class CostModel:
         passes = a + b / verify_rows if verify_rows else 0.0
         return row * verify_rows * (1 + passes) + self.draft_rows * 4 * argmax_rows * 2
 
-    def _gdn_bytes(self, lanes: int) -> float:
-        return 2 * lanes * self.n_gdn * (self.gdn_state_layer + self.gdn_conv_layer
-                                         + self.gdn_pend_layer)
+    def _gdn_bytes(self, lanes: int, written: int | None = None) -> float:
+        """GDN slot bytes of `lanes` lanes: state, conv window and pending buffers read, and
+        written back; a decode step of T tokens (`written` = T) writes only its T pending
+        slots and KC-1+T conv rows (model._gdn_mix), not all P."""
+        read = self.gdn_state_layer + self.gdn_conv_layer + self.gdn_pend_layer
+        if written is None:
+            return 2 * lanes * self.n_gdn * read
+        P = self.K + 1
+        kc = self.cfg.linear_conv_kernel_dim - 1
+        wrote = (self.gdn_state_layer + self.gdn_conv_layer * (kc + written) / (kc + P)
+                 + self.gdn_pend_layer * written / P)
+        return lanes * self.n_gdn * (read + wrote)
 
     def _finish(self, bytes_: dict, must: dict, flops: float, kernels: int,
                 fp8_share: float = 0.0) -> Cost:
@@ -460,10 +469,10 @@ class CostModel:
             "lm_head_extra": d * w["draft"],
             "kv_read": self.kv_token * (self.n_full * ctx + d * ctx),
             "kv_write": self.kv_token * n * (self.n_full * T + (2 * d - 1 if d else 0)),
-            "gdn_state": self._gdn_bytes(n),
+            "gdn_state": self._gdn_bytes(n, T),
         }
         moved = dict(must)
-        moved["gdn_state"] = self._gdn_bytes(B)                  # every slot of the bucket
+        moved["gdn_state"] = self._gdn_bytes(B, T)               # every slot of the bucket
         moved["gdn_conv_copy"] = 2 * B * self.n_gdn * self.gdn_conv_layer   # DECODE_GDN_F32
         moved["activations"] = self._activation_bytes(B * T, B * T * (1 if d else 0)
                                                       + B * max(d - 1, 0))

@@ -493,12 +493,17 @@ def _gdn_mix(cfg: Config, p: GdnParams, proj, c: GdnCache, n_pend, seg: Segment,
         o, S = gdn_math.step(c.state if _first_slots(seg.lane0) else cv.state, cv.pend_k, cv.pend_v, cv.pend_g,
                              cv.pend_beta, n_pend, q, k, v, g, beta, kernels,
                              live=seg.n_valid > 0)
-        padT = [(0, 0), (0, P - T)]
-        new = GdnCache(
-            conv=jnp.pad(xs, padT + [(0, 0)]),
-            state=S,
-            pend_k=jnp.pad(k, padT + [(0, 0)] * 2), pend_v=jnp.pad(v, padT + [(0, 0)] * 2),
-            pend_g=jnp.pad(g, padT + [(0, 0)]), pend_beta=jnp.pad(beta, padT + [(0, 0)]))
+        # The block's T pending slots and KC-1+T conv rows are written in place, not all P
+        # (K + 1) of them: the next step reads only its first n_pend <= T slots and rows
+        # [n_pend, n_pend + KC-1), so what lies past T is never read. A depth-0 step of a
+        # K-slot engine then writes what the stock step writes.
+        at = lambda a, u: lax.dynamic_update_slice(
+            a, u.astype(a.dtype), (seg.lane0,) + (0,) * (a.ndim - 1))
+        state = S if S.shape == c.state.shape and _first_slots(seg.lane0) else at(c.state, S)
+        y = gated_rmsnorm(o.astype(proj.dtype), z, p.norm, cfg.rms_norm_eps)
+        return y.reshape(B, T, nv * dv), GdnCache(
+            conv=at(c.conv, xs), state=state, pend_k=at(c.pend_k, k), pend_v=at(c.pend_v, v),
+            pend_g=at(c.pend_g, g), pend_beta=at(c.pend_beta, beta))
 
     y = gated_rmsnorm(o.astype(proj.dtype), z, p.norm, cfg.rms_norm_eps)
     return y.reshape(B, T, nv * dv), put_slots(c, seg.lane0, new)
