@@ -316,13 +316,15 @@ def _param_rule(rule: str, pname: str, schema: Any) -> str:
 
 
 def tool_call_grammar(tools: list[dict], name: str | None = None,
-                      thinking: bool = False) -> str:
+                      thinking: bool = False, parallel: bool = False) -> str:
     """The grammar of one qwen3_coder XML tool call (serving/tool_parser.py's format) of one of
     `tools` (OpenAI tool dicts), or of the function `name`: `<tool_call>`, `<function=NAME>`,
     the schema's required parameters and any of its optional ones, in the schema's order, each
-    value following its schema, `</function>`, `</tool_call>`. With thinking, free reasoning
-    up to `</think>` and a blank line come first. ValueError for an unknown name or a schema
-    llguidance cannot compile."""
+    value following its schema, `</function>`, `</tool_call>`. With parallel, one or more such
+    calls (each of any of the tools), separated by a newline as the chat template writes an
+    assistant's calls; the model ends the reply after any of them. With thinking, free
+    reasoning up to `</think>` and a blank line come first. ValueError for an unknown name or
+    a schema llguidance cannot compile."""
     fns = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
     if name is not None:
         if name not in fns:
@@ -350,10 +352,13 @@ def tool_call_grammar(tools: list[dict], name: str | None = None,
         rules.append(f'f{i}: {head} {" ".join(parts)} "</function>\\n"\n')
         alts.append(f"f{i}")
     call = f'call: "<tool_call>\\n" ({" | ".join(alts)}) "</tool_call>"\n'
+    if parallel:
+        call += 'calls: call ("\\n" call)*\n'
+    calls = "calls" if parallel else "call"
     if thinking:
-        start = (f'start: think "\\n\\n" call\n'
+        start = (f'start: think "\\n\\n" {calls}\n'
                  f'think[suffix={_lark_str(THINK_END)}]: /(?s:.*)/\n')
     else:
-        start = "start: call\n"
+        start = f"start: {calls}\n"
     lark = start + call + "".join(rules)
     return check_grammar(_llg().LLMatcher.grammar_from_lark(lark))
