@@ -32,6 +32,12 @@ one packed token mask per verify row (`_masks`: the grammar state after the emit
 the drafts before that row), so verification samples from the masked target distribution and
 the output is constrained plain decoding's, token for token. The masks are an input of every
 decode program (one cached all-allowed array when no lane is constrained): no extra program.
+The drafts are masked too (`mask_drafts`): a step with a constrained lane also records each
+draft's best draft-head candidates (LaneState.candidates), and before the next step the host
+replaces each draft the lane's grammar forbids by the first allowed candidate (the masked
+argmax of the draft logits; grammar.Constraint.masked_drafts) and writes the corrected drafts
+into the lane state, so the step verifies drafts the grammar allows instead of drafts
+verification must reject.
 
 Log probabilities and logit_bias (SamplingParams.logprobs / .logit_bias): every decode step
 takes a `steps.Extras` (each lane's bias, padded sparse ids + values, and whether it wants log
@@ -212,6 +218,10 @@ class Engine:
       output of constrained plain decoding token for token (mtpjax/grammar.py); the masks are
       an input of every decode program (all-allowed without a constrained lane), so they add
       no program.
+    mask_drafts: correct a constrained lane's drafts by its grammar before each step (True,
+      default; see `_masks`), or verify the MTP's drafts as they are (False: for comparison;
+      the output is the same either way, only acceptance differs). An attribute: it can be
+      changed between steps, with the same programs.
 
     clock: None (default: wall time, as measured) or a cost_model.VirtualClock whose model has
       this engine's K and page size: time is then the modelled H200's (module docstring).
@@ -231,7 +241,7 @@ class Engine:
                  lane_slots: int | None = None, lane_buckets: Sequence[int] | None = None,
                  pool_pages: int | None = None, clock=None, mixed_max_depth: int | None = None,
                  ride_buckets: Sequence[int] | None = None, draft_vocab=None,
-                 grammar_tokenizer=None):
+                 grammar_tokenizer=None, mask_drafts: bool = True):
         k = int(num_speculative_tokens)
         if k < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
@@ -347,6 +357,7 @@ class Engine:
         self._submitted: dict[int, float] = {}   # clock: request id -> clock time of submit
         self.clock = clock
         self._grammar_src, self._grammar_tok = grammar_tokenizer, None
+        self.mask_drafts = bool(mask_drafts)
         self._no_masks: dict[tuple[int, int], jax.Array] = {}   # (lanes, depth) -> all -1
         self._no_extras: dict[int, steps.Extras] = {}             # lanes -> all off
 
@@ -682,7 +693,18 @@ class Engine:
         """The step's grammar masks, i32[nb, k+1, words] (mtpjax/grammar.py): per constrained
         row, the grammar state after its emitted tokens and each prefix of the drafts the
         device holds (read back here: the drafts the step verifies); -1 (all allowed) for
-        every other lane. Without a constrained row, one cached all -1 device array."""
+        every other lane. Without a constrained row, one cached all -1 device array.
+
+        Masked drafts (mask_drafts): the drafts are read back with their candidates
+        (LaneState.candidates, recorded by the previous step because this lane was
+        constrained there too), each constrained row's drafts are corrected by its grammar
+        (grammar.Constraint.masked_drafts: a forbidden draft becomes the first allowed
+        candidate) and, when any changed, the lane state's drafts are replaced on the device
+        before the step; the masks follow the corrected drafts. Why here and not in the
+        step: the grammar is on the host, and the step's drafts follow its own acceptance,
+        which the host learns only after it. The cost is what `_masks` already paid (one read
+        back of the drafts, a grammar walk per constrained row) plus, when a draft changed,
+        one small host-to-device copy."""
         k = batch.k
         rows = [(r, sched.lanes[r.lane].req) for r in batch.rows]
         rows = [(r, req) for r, req in rows if req.constraint is not None]
@@ -694,11 +716,31 @@ class Engine:
             return self._no_masks[key]
         from mtpjax import grammar
         masks = np.full((nb, k + 1, grammar.words(self.cfg.vocab_size)), -1, np.int32)
+        if not k:
+            for r, req in rows:
+                masks[r.lane] = req.constraint.step_masks([], req.stops)
+            return jnp.asarray(masks)
         # the drafts the step verifies: the device's (a joining lane's are reset to 0)
-        drafts = np.asarray(self.state.drafts)[:nb, :k] if k else np.zeros((nb, 0), np.int32)
+        if self.mask_drafts:
+            drafts, cands = jax.device_get((self.state.drafts, self.state.candidates))
+            drafts = np.array(drafts)
+        else:
+            drafts, cands = np.array(self.state.drafts), None
+        changed = False
         for r, req in rows:
-            d = [0] * k if r.join_token is not None else drafts[r.lane].tolist()
-            masks[r.lane] = req.constraint.step_masks(d, req.stops)
+            if r.join_token is not None:
+                masks[r.lane] = req.constraint.step_masks([0] * k, req.stops)
+            elif cands is None:
+                masks[r.lane] = req.constraint.step_masks(drafts[r.lane, :k], req.stops)
+            else:
+                fixed, masks[r.lane] = req.constraint.masked_drafts(
+                    drafts[r.lane, :k], cands[r.lane, :k], req.stops)
+                if fixed != drafts[r.lane, :k].tolist():
+                    drafts[r.lane, :k] = fixed
+                    changed = True
+        if changed:        # the corrected drafts are the ones the step verifies
+            self.state = dataclasses.replace(
+                self.state, drafts=jax.device_put(drafts, self.state.drafts.sharding))
         return jnp.asarray(masks)
 
     # ---------------------------------------------------------------- pieces
@@ -858,14 +900,26 @@ class Engine:
         return np.asarray(out), np.asarray(n_acc), lps, key, modelled
 
     def _extras(self, sched: Scheduler, batch: StepBatch, nb: int):
-        """The step's `steps.Extras` (logit_bias, who wants log probabilities) and whether
-        any row wants them; one cached all-off set when no row asks for either."""
-        reqs = [(r.lane, sched.lanes[r.lane].req.params) for r in batch.rows]
-        reqs = [(b, p) for b, p in reqs if p.logprobs is not None or p.logit_bias]
+        """The step's `steps.Extras` (logit_bias, who wants log probabilities, which lanes'
+        drafts are masked) and whether any row wants log probabilities; one cached all-off
+        set when no row asks for any."""
+        if nb not in self._no_extras:
+            self._no_extras[nb] = steps.Extras.none(nb)
+        none = self._no_extras[nb]
+        reqs = [(r.lane, sched.lanes[r.lane].req) for r in batch.rows]
+        masked = [b for b, req in reqs if req.constraint is not None] if (
+            self.mask_drafts and self.k) else []
+        reqs = [(b, req.params) for b, req in reqs
+                if req.params.logprobs is not None or req.params.logit_bias]
+        if not reqs and not masked:
+            return none, False
+        x = none
+        if masked:              # the step records their drafts' candidates (masked drafts)
+            flag = np.zeros(nb, bool)
+            flag[masked] = True
+            x = dataclasses.replace(x, constrained=jnp.asarray(flag))
         if not reqs:
-            if nb not in self._no_extras:
-                self._no_extras[nb] = steps.Extras.none(nb)
-            return self._no_extras[nb], False
+            return x, False
         want = np.zeros(nb, bool)
         ids = np.zeros((nb, steps.LOGIT_BIAS_MAX), np.int32)
         vals = np.zeros((nb, steps.LOGIT_BIAS_MAX), np.float32)
@@ -873,8 +927,8 @@ class Engine:
             want[b] = p.logprobs is not None
             for j, (i, v) in enumerate(p.logit_bias):
                 ids[b, j], vals[b, j] = i, v
-        return (steps.Extras(jnp.asarray(want), jnp.asarray(ids), jnp.asarray(vals)),
-                bool(want.any()))
+        return (dataclasses.replace(x, want=jnp.asarray(want), bias_ids=jnp.asarray(ids),
+                                    bias=jnp.asarray(vals)), bool(want.any()))
 
     @staticmethod
     def _token_logprobs(sched: Scheduler, lane: int, out, n_acc, lps):

@@ -22,10 +22,19 @@ What is masked where, and why the output is that of non-speculative constrained 
   emitted: the host stops advancing there and gives those rows the all-allowed mask (any mask
   would do). A draft that is a stop token ends the request when accepted, so the rows after it
   are never emitted either.
-* The drafts themselves are not masked: they come from the MTP chain inside the step, on the
-  device, after the step's acceptance, which the host does not know in advance (the first
-  draft follows the correction token, sampled in the same step). An invalid draft is simply
-  rejected (the masked target gives it probability 0): it costs acceptance, never exactness.
+* The drafts are masked on the host, one step late: the MTP chain runs on the device after the
+  step's acceptance (the first draft follows the correction token, sampled in the same step),
+  where the grammar is not, so it drafts the unmasked argmax. A step with a constrained lane
+  also records each draft's best draft-head rows (steps.LaneState.candidates), and before the
+  next step the host walks the lane's drafts through its grammar (`Constraint.masked_drafts`):
+  a draft the grammar allows stays; a forbidden one becomes its first allowed candidate (the
+  masked argmax of the draft logits whenever one of the candidates is allowed) or, when none
+  is, the grammar's only allowed token if it has one (a forced token: the masked argmax
+  whatever the logits); the walk goes on from the corrected draft. The engine writes the
+  corrected drafts into the lane state and takes the masks of the rows from them. Any draft
+  is lossless (the masked target gives a forbidden one probability 0), so this changes
+  acceptance only, never the output (`Engine(mask_drafts=False)` verifies the raw drafts,
+  for comparison: tests/test_structured_output.py).
 * Stop tokens: the engine's EOS ids are the llguidance tokenizer's EOS tokens, allowed only
   where the grammar accepts. When an emitted token leaves the grammar stopped (nothing more
   can follow, e.g. a JSON object's closing brace), the request ends with finish_reason "stop"
@@ -175,6 +184,28 @@ class Constraint:
         """int32 [len(drafts) + 1, words]: row j masks the token after the emitted tokens and
         drafts[:j]. Past a draft that row j-1 disallows, or a stop token, the rows are
         all-allowed (they can never be emitted). The matcher is left as it was."""
+        return self._walk([int(t) for t in drafts], None, stops)
+
+    def masked_drafts(self, drafts, candidates, stops=frozenset()):
+        """(drafts, step_masks of them): the drafts with each one the grammar forbids replaced
+        by the first of its candidates (int [len(drafts), c], best first, -1: none) the
+        grammar allows after the drafts before it, or, when none is and the grammar allows
+        exactly one token there, by that token; left as it was when neither (verification
+        rejects it). A draft is corrected only where it has candidates (a real draft).
+
+        Why this is the masked draft: the first allowed of a draft's c best draft rows is the
+        argmax of the draft logits masked by the grammar whenever any of the c is allowed (a
+        better-scoring allowed token would be among them), and a lone allowed token is the
+        masked argmax whatever the logits. The walk goes on after a correction: the later
+        drafts were chained (on the device) from the unmasked token, so their candidates
+        answer a slightly different context, but an allowed proposal can be accepted and a
+        forbidden one never (any draft is lossless: verification samples from the masked
+        target). The matcher is left as it was."""
+        fixed = [int(t) for t in drafts]
+        masks = self._walk(fixed, np.asarray(candidates), stops)
+        return fixed, masks
+
+    def _walk(self, drafts: list, candidates, stops):
         d = len(drafts)
         out = np.full((d + 1, self.words), -1, np.int32)
         n = 0
@@ -183,7 +214,9 @@ class Constraint:
                 self._fill(out[j])
                 if j == d:
                     break
-                t = int(drafts[j])
+                t = drafts[j]
+                if candidates is not None and not allowed(out[j], t) and candidates[j, 0] >= 0:
+                    t = drafts[j] = _masked_choice(out[j], candidates[j], t)
                 if t in stops or not allowed(out[j], t) or not self.matcher.consume_token(t):
                     break
                 n += 1
@@ -206,6 +239,20 @@ class Constraint:
     @property
     def accepting(self) -> bool:
         return self.matcher.is_accepting()
+
+
+def _masked_choice(mask: np.ndarray, candidates, draft: int) -> int:
+    """Constraint.masked_drafts' pick for a forbidden draft: the first candidate the packed
+    mask allows, else the mask's only allowed token, else the draft."""
+    for c in candidates:
+        if c >= 0 and allowed(mask, int(c)):
+            return int(c)
+    nz = np.flatnonzero(mask)
+    if len(nz) == 1:
+        word = int(mask[nz[0]]) & 0xFFFFFFFF
+        if word & (word - 1) == 0:                # one bit set: a forced token
+            return int(nz[0]) * 32 + word.bit_length() - 1
+    return draft
 
 
 def allowed(mask: np.ndarray, token: int) -> bool:
@@ -269,13 +316,15 @@ def _param_rule(rule: str, pname: str, schema: Any) -> str:
 
 
 def tool_call_grammar(tools: list[dict], name: str | None = None,
-                      thinking: bool = False) -> str:
+                      thinking: bool = False, parallel: bool = False) -> str:
     """The grammar of one qwen3_coder XML tool call (serving/tool_parser.py's format) of one of
     `tools` (OpenAI tool dicts), or of the function `name`: `<tool_call>`, `<function=NAME>`,
     the schema's required parameters and any of its optional ones, in the schema's order, each
-    value following its schema, `</function>`, `</tool_call>`. With thinking, free reasoning
-    up to `</think>` and a blank line come first. ValueError for an unknown name or a schema
-    llguidance cannot compile."""
+    value following its schema, `</function>`, `</tool_call>`. With parallel, one or more such
+    calls (each of any of the tools), separated by a newline as the chat template writes an
+    assistant's calls; the model ends the reply after any of them. With thinking, free
+    reasoning up to `</think>` and a blank line come first. ValueError for an unknown name or
+    a schema llguidance cannot compile."""
     fns = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
     if name is not None:
         if name not in fns:
@@ -303,10 +352,13 @@ def tool_call_grammar(tools: list[dict], name: str | None = None,
         rules.append(f'f{i}: {head} {" ".join(parts)} "</function>\\n"\n')
         alts.append(f"f{i}")
     call = f'call: "<tool_call>\\n" ({" | ".join(alts)}) "</tool_call>"\n'
+    if parallel:
+        call += 'calls: call ("\\n" call)*\n'
+    calls = "calls" if parallel else "call"
     if thinking:
-        start = (f'start: think "\\n\\n" call\n'
+        start = (f'start: think "\\n\\n" {calls}\n'
                  f'think[suffix={_lark_str(THINK_END)}]: /(?s:.*)/\n')
     else:
-        start = "start: call\n"
+        start = f"start: {calls}\n"
     lark = start + call + "".join(rules)
     return check_grammar(_llg().LLMatcher.grammar_from_lark(lark))

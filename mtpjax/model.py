@@ -668,10 +668,41 @@ def argmax_tokens(cfg: Config, params: Params, h):
     return jnp.take_along_axis(where, shard[None], axis=0)[0].astype(jnp.int32)
 
 
+def _draft_scores(cfg: Config, params: Params, h):
+    """This shard's draft rows for the MTP's post-norm hidden h [..., H]: (float32 scores
+    [..., n], their token ids i32[n], ascending): the draft vocabulary's head (params.draft,
+    N x H) or, without one, the lm_head's block of the vocabulary. Padding rows (a draft
+    head's id -1, the vocabulary padding of a tp block) score -inf."""
+    d = params.draft
+    if d is None:
+        logits = lm_head(params, h)
+        rows = logits.shape[-1]
+        ids = jnp.arange(rows, dtype=jnp.int32)
+        if cfg.tp_axis is not None:
+            ids = ids + lax.axis_index(cfg.tp_axis) * rows
+            logits = jnp.where(ids < cfg.vocab_size, logits, -jnp.inf)   # padding
+        return logits, ids
+    logits = jnp.einsum("...i,ni->...n", h, d.weight, preferred_element_type=jnp.float32)
+    return jnp.where(d.ids >= 0, logits, -jnp.inf), d.ids.astype(jnp.int32)
+
+
+def _first_argmax(cfg: Config, logits, ids):
+    """The token of the first best row of (scores, ids) from _draft_scores; under tensor
+    parallelism each shard's max and that row's id are all-gathered ([tp, ...] pairs) and
+    the first shard holding the global max wins (blocks are in ascending id order)."""
+    tok = ids[jnp.argmax(logits, axis=-1)]
+    if cfg.tp_axis is None:
+        return tok
+    best = lax.all_gather(jnp.max(logits, axis=-1), cfg.tp_axis)       # [tp, ...]
+    toks = lax.all_gather(tok, cfg.tp_axis)
+    shard = jnp.argmax(best, axis=0)
+    return jnp.take_along_axis(toks, shard[None], axis=0)[0]
+
+
 def draft_tokens(cfg: Config, params: Params, h):
     """A draft's token i32[...] from the MTP's post-norm hidden h [..., H]: the first argmax
     over the draft vocabulary's rows (params.draft, N x H read instead of the V x H lm_head)
-    or, without one, over the whole vocabulary (argmax_tokens). Drafts only propose:
+    or, without one, over the whole vocabulary (argmax_tokens' token). Drafts only propose:
     verification samples from the target's full logits, so the draft vocabulary changes
     acceptance, never the output. With every id in the head (ascending) the token is
     argmax_tokens' exactly (same first argmax).
@@ -679,18 +710,39 @@ def draft_tokens(cfg: Config, params: Params, h):
     Under tensor parallelism each shard holds a block of the head's rows and their ids: its
     max and that row's id are all-gathered ([tp, ...] pairs) and the first shard holding the
     global max wins, as in argmax_tokens (blocks are in ascending id order)."""
-    d = params.draft
-    if d is None:
-        return argmax_tokens(cfg, params, h)
-    logits = jnp.einsum("...i,ni->...n", h, d.weight, preferred_element_type=jnp.float32)
-    logits = jnp.where(d.ids >= 0, logits, -jnp.inf)                  # padding rows
-    tok = d.ids[jnp.argmax(logits, axis=-1)].astype(jnp.int32)
-    if cfg.tp_axis is None:
-        return tok
-    best = lax.all_gather(jnp.max(logits, axis=-1), cfg.tp_axis)       # [tp, ...]
-    toks = lax.all_gather(tok, cfg.tp_axis)
-    shard = jnp.argmax(best, axis=0)
-    return jnp.take_along_axis(toks, shard[None], axis=0)[0]
+    return _first_argmax(cfg, *_draft_scores(cfg, params, h))
+
+
+def draft_candidates(cfg: Config, params: Params, h, c: int, want):
+    """(draft_tokens' token i32[...], its candidates i32[..., c]): the ids of the c best draft
+    rows, best first (ties: lower id first, so candidate 0 is the draft), -1 past the rows
+    there are; all -1 when `want` (a bool scalar) is false, which skips the top-c (lax.cond:
+    the draft itself is computed outside the branch, the same whatever `want`).
+
+    What they are for: a grammar-constrained lane's drafts are corrected on the host
+    (grammar.Constraint.masked_drafts): the first candidate the grammar allows is the masked
+    argmax of the draft logits whenever any of the c is allowed. Under tensor parallelism
+    each shard's top c (scores, ids) are all-gathered and the top c of the tp x c pairs taken;
+    concatenated in shard order, ties still go to the lower id."""
+    logits, ids = _draft_scores(cfg, params, h)
+    tok = _first_argmax(cfg, logits, ids)
+
+    def top():
+        m = min(c, logits.shape[-1])
+        vals, rows = lax.top_k(logits, m)
+        toks = ids[rows]
+        if cfg.tp_axis is not None:             # [tp, ..., m] -> [..., tp * m], shard order
+            vals = jnp.moveaxis(lax.all_gather(vals, cfg.tp_axis), 0, -2)
+            toks = jnp.moveaxis(lax.all_gather(toks, cfg.tp_axis), 0, -2)
+            vals = vals.reshape(*vals.shape[:-2], -1)
+            toks = toks.reshape(*toks.shape[:-2], -1)
+            vals, best = lax.top_k(vals, min(c, vals.shape[-1]))
+            toks = jnp.take_along_axis(toks, best, axis=-1)
+        toks = jnp.where(vals > -jnp.inf, toks, -1).astype(jnp.int32)
+        pad = [(0, 0)] * (toks.ndim - 1) + [(0, c - toks.shape[-1])]
+        return jnp.pad(toks, pad, constant_values=-1)
+    cands = lax.cond(want, top, lambda: jnp.full(tok.shape + (c,), -1, jnp.int32))
+    return tok, cands
 
 
 def mtp_forward(cfg: Config, params: Params, cache: Cache, h_prev, next_tokens, seg: Segment,

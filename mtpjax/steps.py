@@ -25,7 +25,9 @@ d = 0 on an engine with K = 0 is the stock engine):
      P+a are dead and get overwritten)
   4. MTP re-run over the accepted positions P..P+a with the TRUE target hidden states
      (overwriting the MTP KV written while drafting), then d-1 chained MTP steps -> the next
-     step's d drafts
+     step's d drafts (and, when a lane is grammar-constrained, each draft's top
+     DRAFT_CANDIDATES draft rows, which the host uses to mask that lane's drafts by its
+     grammar before the next step: mtpjax/grammar.py)
 
 KV lives in the paged pool (model.PagedKV); every program takes the page table of the lanes it
 runs (i32[B, pages_per_lane], the same for all layers and the MTP) and the host must have
@@ -74,39 +76,60 @@ from mtpjax.model import Cache, Segment
 from mtpjax.params import Params
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["last_token", "pos", "drafts"],
-         meta_fields=[])
+# Draft candidates per draft a step records for grammar-constrained lanes (LaneState.candidates)
+DRAFT_CANDIDATES = 8
+
+
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["last_token", "pos", "drafts", "candidates"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class LaneState:
-    """What each lane carries between steps (device arrays, B = lanes)."""
+    """What each lane carries between steps (device arrays, B = lanes).
+
+    candidates: for a step with a grammar-constrained lane (Extras.constrained), the ids of
+    each draft's DRAFT_CANDIDATES best draft rows, best first (model.draft_candidates; -1:
+    none, e.g. past the drafting step's depth or when no lane was constrained). The host
+    corrects a constrained lane's drafts with them before the next step (masked drafts,
+    mtpjax/grammar.py) and writes the corrected `drafts` back."""
     last_token: jax.Array  # i32[B]  t_P: committed (emitted) but not yet fed to the target
     pos: jax.Array         # i32[B]  P, the absolute position of last_token
     drafts: jax.Array      # i32[B, k]  MTP drafts for positions P+1..P+k
+    candidates: jax.Array  # i32[B, k, DRAFT_CANDIDATES]  each draft's best draft rows
 
     @staticmethod
     def empty(lanes: int, k: int) -> "LaneState":
         z = lambda *shape: jnp.zeros(shape, jnp.int32)  # distinct buffers: all are donated
-        return LaneState(z(lanes), z(lanes), z(lanes, k))
+        return LaneState(z(lanes), z(lanes), z(lanes, k),
+                         jnp.full((lanes, k, DRAFT_CANDIDATES), -1, jnp.int32))
 
 
 def draft_chain(cfg: Config, params: Params, cache: Cache, h_mtp, d1, pos, live, table,
-                k: int, kernels: str):
+                k: int, kernels: str, c1=None, want=None):
     """Drafts d_1..d_k: d_1 given, then k-1 chained MTP steps (spec §5.4).
 
     h_mtp [B, H]: the MTP output of the pair at `pos` (which predicted d_1 at pos + 2).
     Each chained step feeds the MTP its own output and the previous draft, one position on.
     live: bool[B]; idle lanes write nothing. table: the lanes' page table.
+    want: None, or a bool scalar: record each draft's candidates (model.draft_candidates, all
+    -1 when false); c1: d_1's. The chain always feeds the MTP the unmasked argmax: the
+    grammar lives on the host, which corrects the drafts after the step.
+    Returns (drafts i32[B, k], candidates i32[B, k, DRAFT_CANDIDATES] or None, cache).
     """
-    drafts = [d1]
+    drafts, cands = [d1], [c1]
     h, tok = h_mtp, d1
     ones = live.astype(jnp.int32)
     for s in range(1, k):
         h3, cache = model.mtp_forward(cfg, params, cache, h[:, None], tok[:, None],
                                       Segment(pos + s, ones, table), kernels)
         h = h3[:, 0]
-        tok = model.draft_tokens(cfg, params, h)
+        if want is None:
+            tok = model.draft_tokens(cfg, params, h)
+        else:
+            tok, c = model.draft_candidates(cfg, params, h, DRAFT_CANDIDATES, want)
+            cands.append(c)
         drafts.append(tok)
-    return jnp.stack(drafts, axis=1), cache
+    return (jnp.stack(drafts, axis=1), None if want is None else jnp.stack(cands, axis=1),
+            cache)
 
 
 def _all_greedy(lanes: sampling.LaneSampling):
@@ -120,8 +143,8 @@ TOP_LOGPROBS = 20
 LOGIT_BIAS_MAX = 300
 
 
-@partial(jax.tree_util.register_dataclass, data_fields=["want", "bias_ids", "bias"],
-         meta_fields=[])
+@partial(jax.tree_util.register_dataclass,
+         data_fields=["want", "bias_ids", "bias", "constrained"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Extras:
     """Per-lane step options beyond the sampler's, always passed by the engine (all off: one
@@ -131,15 +154,21 @@ class Extras:
     for every row, see `token_logprobs`). bias_ids i32[B, M], bias f32[B, M] (M =
     LOGIT_BIAS_MAX): the lane's logit_bias, padded with (0, 0.0); added to the target logits
     of every verify row before the grammar mask and the sampler, so verification samples from
-    the biased target distribution, the one a plain sampler draws from: exact."""
+    the biased target distribution, the one a plain sampler draws from: exact.
+    constrained: bool[B], the lane's drafts are corrected by its grammar on the host (masked
+    drafts): when any lane is, the step records every lane's draft candidates in
+    LaneState.candidates (a top-DRAFT_CANDIDATES per draft, under lax.cond: a step without
+    such a lane pays nothing)."""
     want: jax.Array
     bias_ids: jax.Array
     bias: jax.Array
+    constrained: jax.Array
 
     @staticmethod
     def none(lanes: int) -> "Extras":
         return Extras(jnp.zeros((lanes,), bool), jnp.zeros((lanes, LOGIT_BIAS_MAX), jnp.int32),
-                      jnp.zeros((lanes, LOGIT_BIAS_MAX), jnp.float32))
+                      jnp.zeros((lanes, LOGIT_BIAS_MAX), jnp.float32),
+                      jnp.zeros((lanes,), bool))
 
 
 def _biased(x, extras: Extras):
@@ -359,6 +388,10 @@ def decode_step(cfg: Config, params: Params, cache: Cache, state: LaneState,
     f32[B, k+1, L], L = min(TOP_LOGPROBS, V); zeros when no lane wants them). Every emitted
     token is the token of a verify row, whose logits are the plain engine's for that position
     (a joining lane's row 0 is its first token's), so its logprob is the plain engine's.
+    Extras.constrained: when any lane is set, the returned state's `candidates` hold each new
+    draft's top DRAFT_CANDIDATES draft-head ids (all -1 otherwise, at no cost: lax.cond); the
+    drafts themselves are the same either way. The host may replace `state.drafts` between
+    steps (masked drafts): the step verifies whatever drafts the state holds.
     """
     body = partial(_decode_body_args, k=k, kernels=kernels, fill_mtp_kv=fill_mtp_kv,
                    has_chunk=chunk is not None, has_mask=allowed is not None,
@@ -394,7 +427,8 @@ def _decode_body(cfg: Config, params: Params, cache: Cache, state: LaneState, la
     full_state, state = state, model.take_slots(state, 0, B)
     state = LaneState(jnp.where(join.mask, join.token, state.last_token),
                       jnp.where(join.mask, join.pos, state.pos),
-                      jnp.where(join.mask[:, None], 0, state.drafts))
+                      jnp.where(join.mask[:, None], 0, state.drafts),
+                      jnp.where(join.mask[:, None, None], -1, state.candidates))
     drafts_in = state.drafts[:, :k]
     tokens = jnp.concatenate([state.last_token[:, None], drafts_in], axis=1)     # [B, k+1]
     n_in = jnp.where(active, k + 1, 0).astype(jnp.int32)
@@ -421,25 +455,36 @@ def _decode_body(cfg: Config, params: Params, cache: Cache, state: LaneState, la
     new_last = jnp.where(active, out[rows, n_acc], state.last_token)
     new_pos = jnp.where(active, state.pos + n_acc + 1, state.pos)
 
+    C = DRAFT_CANDIDATES
+    no_cands = jnp.full((B, K, C), -1, jnp.int32)
     if K > 0:
         nt = jnp.maximum(out, 0)
         seg_acc = Segment(state.pos, jnp.where(active, n_acc + 1, 0), page_table)
         if k > 0:
             h_mtp, cache = model.mtp_forward(cfg, params, cache, h, nt, seg_acc, kernels)
             hm_last = h_mtp[rows, n_acc]
-            d1 = model.draft_tokens(cfg, params, hm_last)
-            drafts, cache = draft_chain(cfg, params, cache, hm_last, d1, state.pos + n_acc,
-                                        active, page_table, k, kernels)
+            # constrained lanes: each draft's candidates too, for the host's masked drafts
+            want = None if extras is None else jnp.any(extras.constrained)
+            if want is None:
+                d1, c1 = model.draft_tokens(cfg, params, hm_last), None
+            else:
+                d1, c1 = model.draft_candidates(cfg, params, hm_last, C, want)
+            drafts, cands, cache = draft_chain(cfg, params, cache, hm_last, d1,
+                                               state.pos + n_acc, active, page_table, k,
+                                               kernels, c1, want)
             drafts = jnp.pad(drafts, ((0, 0), (0, K - k)))
+            cands = no_cands if cands is None else jnp.pad(
+                cands, ((0, 0), (0, K - k), (0, 0)), constant_values=-1)
         else:  # depth 0: draft nothing; optionally keep the MTP KV true at P
             if fill_mtp_kv:
                 cache = model.mtp_fill_kv(cfg, params, cache, h, nt, seg_acc)
-            drafts = jnp.zeros((B, K), jnp.int32)
+            drafts, cands = jnp.zeros((B, K), jnp.int32), no_cands
         drafts = jnp.where(active[:, None], drafts, state.drafts)
+        cands = jnp.where(active[:, None, None], cands, state.candidates)
     else:
-        drafts = state.drafts
+        drafts, cands = state.drafts, state.candidates
     out = jnp.where(active[:, None], out, -1)
-    new = LaneState(new_last, new_pos, drafts)
+    new = LaneState(new_last, new_pos, drafts, cands)
     if extras is None:
         return cache, model.put_slots(full_state, 0, new), out, n_acc
     return cache, model.put_slots(full_state, 0, new), out, n_acc, verified[2]

@@ -6,7 +6,8 @@
   position equal);
 - model.draft_tokens == numpy's first argmax over the rows, padding never drafted, and under
   tensor parallelism (tp = 2, an N no tp divides) the engine's tokens and acceptance equal
-  tp = 1's;
+  tp = 1's; model.draft_candidates (the c best rows, for masked drafts) == numpy's, at
+  tp = 1 and 2, with and without a draft head;
 - the list file: ranking, save / load, resolution of sizes and shares against a checkpoint,
   clear errors for bad lists.
 """
@@ -88,6 +89,49 @@ def test_draft_tokens_is_the_first_argmax_over_the_rows():
     got = np.asarray(model.draft_tokens(CFG, dataclasses.replace(PARAMS, draft=neg),
                                         jnp.ones((3, CFG.hidden_size))))
     assert got.tolist() == [1, 1, 1]      # all real rows tie at -H: the first id
+
+
+def _top_rows(logits, ids, c):
+    """numpy: the ids of the c best rows, best first, ties to the lower id; -1 past them."""
+    order = np.argsort(-logits, axis=-1, kind="stable")[..., :c]
+    out = np.asarray(ids)[order]
+    return np.pad(out, [(0, 0)] * (out.ndim - 1) + [(0, c - out.shape[-1])],
+                  constant_values=-1)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+@pytest.mark.parametrize("head", [None, [0, 2, 3, 5, 8, 11, 12]])
+def test_draft_candidates_are_the_best_rows_under_tensor_parallelism(tp, head):
+    """model.draft_candidates (masked drafts of constrained lanes): the ids of the c best
+    draft rows, best first, the first being the draft; -1 past the rows there are (7 head
+    rows, padded to 8 for tp = 2) and everywhere when not wanted. tp = 2: the shards' top c
+    gathered and merged (TP_CFG's vocabulary of 13: a padded block)."""
+    from jax.sharding import PartitionSpec as P
+    from mtpjax import tensor_parallel as tpl
+    c = 8
+    h = jax.random.normal(jax.random.key(5), (3, TP_CFG.hidden_size))
+    w = np.asarray(TP_PARAMS.lm_head)
+    ids = np.arange(TP_CFG.vocab_size) if head is None else np.asarray(head)
+    want = _top_rows(np.asarray(h) @ w[ids].T, ids, c)
+    mesh = tpl.make_meshes(tp, 1)[0] if tp > 1 else None
+    params = tpl.place_params(TP_CFG, TP_PARAMS, mesh)
+    if head is not None:
+        params = dataclasses.replace(params, draft=dv.build_head(params, ids, tp, mesh))
+    for on in (True, False):
+        if mesh is None:
+            tok, cands = model.draft_candidates(TP_CFG, params, h, c, jnp.bool_(on))
+        else:
+            specs = tpl.param_specs(TP_CFG, tp)
+            if head is not None:
+                specs = dataclasses.replace(specs, draft=dv.head_spec(tp))
+            f = tpl.spmd(lambda p, x, o: model.draft_candidates(tpl.shard_config(TP_CFG, tp),
+                                                                 p, x, c, o),
+                         mesh, (specs, P(), P()), (P(), P()))
+            tok, cands = f(params, h, jnp.bool_(on))
+        np.testing.assert_array_equal(np.asarray(tok), want[:, 0])
+        np.testing.assert_array_equal(np.asarray(cands), want if on else -np.ones_like(want))
+    if head is not None:
+        assert (want[:, -1] == -1).all()          # 7 rows: the 8th candidate is none
 
 
 def test_tensor_parallel_draft_head_equals_one_device():

@@ -99,7 +99,8 @@ def test_tools_render_with_auto_and_not_with_none(tok, template):
         r = parse_chat({"model": "tiny", "messages": MSGS, "tools": TOOLS, "tool_choice": choice},
                        wide, tok, template)
         assert r.tools == TOOLS and r.prompt_ids == auto.prompt_ids
-        assert r.params.grammar == grammar.tool_call_grammar(TOOLS, name, thinking=True)
+        assert r.params.grammar == grammar.tool_call_grammar(TOOLS, name, thinking=True,
+                                                             parallel=name is None)
     assert auto.params.grammar is None
 
 
@@ -176,7 +177,7 @@ def test_chat_content_parts_and_tool_history(tok, template):
                                              "top_logprobs"),
     ({"logit_bias": {"1": 500}}, "logit_bias"), ({"logit_bias": {"x": 5}}, "logit_bias"),
     ({"logit_bias": {"300": 5}}, "logit_bias"),
-    ({"user": "bob"}, "user"), ({"parallel_tool_calls": False}, "parallel_tool_calls"),
+    ({"user": "bob"}, "user"), ({"parallel_tool_calls": 1}, "parallel_tool_calls"),
     ({"min_p": 0.1}, "min_p"), ({"repetition_penalty": 1.1}, "repetition_penalty"),
     ({"reasoning_effort": "low"}, "reasoning_effort"), ({"made_up": 1}, "made_up"),
 ])
@@ -240,7 +241,8 @@ def test_every_declared_field_is_implemented_or_no_op_only():
     implemented = {"model", "messages", "prompt", "temperature", "top_p", "top_k", "seed",
                    "stop", "stream", "stream_options", "skip_special_tokens", "max_tokens",
                    "max_completion_tokens", "chat_template_kwargs", "tools", "tool_choice",
-                   "response_format", "n", "logprobs", "top_logprobs", "logit_bias"}
+                   "response_format", "n", "logprobs", "top_logprobs", "logit_bias",
+                   "parallel_tool_calls"}
     no_op_only = {"presence_penalty", "frequency_penalty", "echo", "best_of"}
     declared = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
     assert declared == implemented | no_op_only

@@ -7,7 +7,9 @@ tool_choice "required" and a named function constrain decoding (grammar.tool_cal
 there even the tiny model's reply is a call: end to end on the bundled checkpoint (the app on a
 speculative engine, FastAPI's TestClient), the reply is a parsed call, finish_reason
 "tool_calls", streamed or not, whose arguments follow the function's schema; the speculative
-engine's call is the plain engine's, token for token.
+engine's call is the plain engine's, token for token. Parallel tool calls: "required" allows
+one or more calls (parallel_tool_calls, OpenAI's default), each parsed into its own tool call
+(indexes 0..n-1 when streamed); parallel_tool_calls false and a named function allow one.
 """
 
 import asyncio
@@ -54,20 +56,22 @@ class Handle:
             yield Delta((0,), p)
 
 
-def request(thinking, tools, stream=False):
-    return ParsedRequest([1], None, (), stream, False, thinking, True, tools)
+def request(thinking, tools, stream=False, parallel=True):
+    return ParsedRequest([1], None, (), stream, False, thinking, True, tools,
+                         parallel_tool_calls=parallel)
 
 
-def body(text, thinking=False, tools=TOOLS, finish="stop"):
-    b = final_body("chat", Output(text, finish), request(thinking, tools), HEAD)
+def body(text, thinking=False, tools=TOOLS, finish="stop", parallel=True):
+    b = final_body("chat", Output(text, finish), request(thinking, tools, parallel=parallel),
+                   HEAD)
     ChatCompletion.model_validate(b)
     return b
 
 
-def stream(text, thinking=False, tools=TOOLS, finish="stop", size=3):
+def stream(text, thinking=False, tools=TOOLS, finish="stop", size=3, parallel=True):
     async def collect():
         return [e async for e in chat_chunks(Handle(text, finish, size),
-                                             request(thinking, tools, True), HEAD)]
+                                             request(thinking, tools, True, parallel), HEAD)]
     events = asyncio.run(collect())
     assert events[-1] == "data: [DONE]\n\n"
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
@@ -136,6 +140,14 @@ def test_parallel_calls_only_content_is_null():
     assert indexes == [0, 0, 1, 1]
 
 
+def test_parallel_tool_calls_false_returns_the_first_call():
+    text = CALL + "\n" + CALL.replace("Oslo", "Bergen")
+    (call,) = body(text, parallel=False)["choices"][0]["message"]["tool_calls"]
+    assert json.loads(call["function"]["arguments"])["city"] == "Oslo"
+    got, finish = reassemble(stream(text, size=2, parallel=False))
+    assert finish == "tool_calls" and without_ids(got["tool_calls"]) == [call["function"]]
+
+
 def test_no_call_unclosed_call_and_no_tools_are_plain_content():
     for text, tools, finish in [("Just words.", TOOLS, "stop"),
                                 ("Hm " + CALL[:40], TOOLS, "length"),
@@ -188,7 +200,7 @@ def test_speculative_forced_call_equals_plain():
     from mtpjax.serving.parsing import ServerLimits, parse_chat
     from mtpjax.text import Tokenizer
     tok, template = Tokenizer.from_checkpoint(CKPT), load_chat_template(CKPT)
-    r = parse_chat(forced_body("required", temperature=1.0, seed=11), ServerLimits(
+    r = parse_chat(forced_body("required", temperature=1.0, seed=11, parallel_tool_calls=False), ServerLimits(
         "tiny", 4096, ENGINE["max_seq_len"]), tok, template)
     (spec,) = engine(K).generate([r.prompt_ids], r.params)
     (plain,) = engine(0).generate([r.prompt_ids], r.params)
@@ -196,6 +208,56 @@ def test_speculative_forced_call_equals_plain():
     assert spec.stats.drafted_tokens > 0
     _, calls = parse_tool_calls(tok.decode(spec.token_ids), FORCED_TOOLS)
     check_call(calls[0])
+
+
+def test_parallel_call_grammar_allows_several_calls_that_parse():
+    """tool_call_grammar(parallel=True): one or more calls, newline-separated as the template
+    writes them; each parses into a tool call whose arguments follow its schema. Without
+    parallel, the grammar ends after the first call."""
+    from mtpjax import grammar
+    from mtpjax.text import Tokenizer
+    tok = Tokenizer.from_checkpoint(CKPT)
+    llt = grammar.make_tokenizer(CKPT, 4096, tok.stop_ids())
+    schema = {"type": "object", "properties": {"city": {"type": "string"}, "days": {
+        "type": "integer", "minimum": 1, "maximum": 7}}, "required": ["city", "days"]}
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": schema}},
+             FORCED_TOOLS[1]]
+    weather = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n{}\n</parameter>\n"
+               "<parameter=days>\n{}\n</parameter>\n</function>\n</tool_call>")
+    noop = "<tool_call>\n<function=noop>\n</function>\n</tool_call>"
+    text = "\n".join([weather.format("Oslo", 2), noop, weather.format("Rome", 7)])
+    c = grammar.Constraint(llt, grammar.tool_call_grammar(tools, parallel=True), 4096)
+    assert all(c.consume(t) is None for t in tok.encode(text)) and c.accepting
+    content, calls = parse_tool_calls(text, tools)
+    args = [(x["function"]["name"], json.loads(x["function"]["arguments"])) for x in calls]
+    assert content is None and args == [("get_weather", {"city": "Oslo", "days": 2}),
+                                        ("noop", {}), ("get_weather", {"city": "Rome", "days": 7})]
+    assert all(matches(a, schema if n == "get_weather" else {}) for n, a in args)
+    one = grammar.Constraint(llt, grammar.tool_call_grammar(tools), 4096)
+    assert any(one.consume(t) for t in tok.encode(text))      # a second call is refused
+    bad = grammar.Constraint(llt, grammar.tool_call_grammar(tools, parallel=True), 4096)
+    assert any(bad.consume(t) for t in tok.encode(weather.format("Oslo", 2) + "\nhi"))
+
+
+def test_engine_under_a_grammar_forcing_several_calls():
+    """The engine decoding under the parallel grammar with the stop tokens biased away (so the
+    grammar's only way on after a call is another call): the reply parses into two or more
+    calls, each following its function's schema; the K-draft engine's tokens are the plain
+    engine's. (Runs before the `served` fixture opens the K-draft engine's session.)"""
+    from mtpjax import grammar
+    from mtpjax.sampling import SamplingParams
+    from mtpjax.text import Tokenizer
+    tok = Tokenizer.from_checkpoint(CKPT)
+    sp = SamplingParams(max_new_tokens=300, grammar=grammar.tool_call_grammar(
+        FORCED_TOOLS, parallel=True), logit_bias=tuple((t, -100.0) for t in tok.stop_ids()))
+    prompt = tok.encode("# Weather in Oslo and Rome\n")   # short: room for several calls
+    (spec,) = engine(K).generate([prompt], sp)
+    (plain,) = engine(0).generate([prompt], sp)
+    assert spec.token_ids == plain.token_ids
+    _, calls = parse_tool_calls(tok.decode(spec.token_ids), FORCED_TOOLS)
+    assert len(calls) >= 2, tok.decode(spec.token_ids)
+    for call in calls:
+        check_call(call)
 
 
 @pytest.fixture(scope="module")
@@ -247,27 +309,41 @@ def check_call(call, name=None):
 NAMED = {"type": "function", "function": {"name": "get_weather"}}
 
 
-@pytest.mark.parametrize("choice", ["required", NAMED,
-                                    {"type": "function", "function": {"name": "noop"}}],
-                         ids=["required", "named", "named_noop"])
+@pytest.mark.parametrize("choice, parallel", [
+    ("required", True), ("required", False), (NAMED, True),
+    ({"type": "function", "function": {"name": "noop"}}, True)],
+                         ids=["required", "required_single", "named", "named_noop"])
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
-def test_forced_call_is_a_parsed_call_following_the_schema(served, choice, temperature):
+def test_forced_call_is_a_parsed_call_following_the_schema(served, choice, parallel,
+                                                          temperature):
+    """One call ("required" with parallel_tool_calls false, a named function), or one or more
+    ("required", parallel by default): the tiny model rarely stops after a call, so there a
+    further call may be cut short by max_tokens and stay in the content, unparsed."""
     http = served[0]
-    status, b = post(http, forced_body(choice, temperature=temperature))
+    several = choice == "required" and parallel
+    kw = dict(temperature=temperature, parallel_tool_calls=parallel)
+    status, b = post(http, forced_body(choice, **kw))
     assert status == 200, b
     ChatCompletion.model_validate(b)
     (c,) = b["choices"]
     assert c["finish_reason"] == "tool_calls", c
-    assert c["message"]["content"] is None
-    (call,) = c["message"]["tool_calls"]
-    name, args = check_call(call, None if choice == "required" else
-                            choice["function"]["name"])
-    if name == "noop":
-        assert args == {}
-    _, chunks = post(http, forced_body(choice, temperature=temperature, stream=True))
+    content, calls = c["message"]["content"], c["message"]["tool_calls"]
+    if several:
+        assert content is None or content.startswith("<tool_call>"), content
+    else:
+        assert content is None and len(calls) == 1
+    for call in calls:
+        name, args = check_call(call, None if choice == "required" else
+                                choice["function"]["name"])
+        if name == "noop":
+            assert args == {}
+    _, chunks = post(http, forced_body(choice, stream=True, **kw))
     msg, finish = reassemble(chunks)
-    assert finish == "tool_calls" and msg["content"] == ""
-    assert without_ids(msg["tool_calls"]) == without_ids(c["message"]["tool_calls"])
+    assert finish == "tool_calls" and msg["content"] == (content or "")
+    assert without_ids(msg["tool_calls"]) == without_ids(calls)
+    indexes = [t["index"] for ch in chunks for t in ch["choices"][0]["delta"].get(
+        "tool_calls", []) if "id" in t]
+    assert indexes == list(range(len(calls)))
 
 
 @pytest.mark.parametrize("fields, param, match", [
@@ -306,8 +382,16 @@ def test_forced_call_grammar_follows_thinking(served):
         for thinking in (False, True):
             r = parse_chat(forced_body(choice, chat_template_kwargs={
                 "enable_thinking": thinking}), limits, tok, template)
-            assert r.params.grammar == grammar.tool_call_grammar(FORCED_TOOLS, name,
-                                                                 thinking=thinking)
+            assert r.params.grammar == grammar.tool_call_grammar(
+                FORCED_TOOLS, name, thinking=thinking, parallel=name is None)
             assert r.tools == FORCED_TOOLS
             if not thinking:
                 assert r.prompt_ids == auto.prompt_ids
+    # parallel_tool_calls false: "required" is one call; a named function is one call anyway
+    for choice, name in (("required", None), (NAMED, "get_weather")):
+        for parallel in (False, True):
+            r = parse_chat(forced_body(choice, parallel_tool_calls=parallel), limits, tok,
+                           template)
+            assert r.params.grammar == grammar.tool_call_grammar(
+                FORCED_TOOLS, name, parallel=parallel and name is None)
+            assert r.parallel_tool_calls == (parallel and name is None)

@@ -5,8 +5,11 @@ On the bundled tiny checkpoint (a small Python-code model: its JSON is poor, the
 it valid): the speculative engine's constrained output equals the stock engine's constrained
 output token for token, greedy and seeded; every reply parses and matches its schema, and
 without the grammar it does not. The host-side mask builder gives each verify row the grammar
-state after the drafts before it, and all-allowed rows past a draft the grammar rejects. The
-server maps response_format json_object / json_schema onto the grammar.
+state after the drafts before it, and all-allowed rows past a draft the grammar rejects.
+Masked drafts: the drafts a constrained lane's verification gets are grammar-valid wherever a
+draft candidate is, which raises acceptance without changing a token, and leaves the
+unconstrained lanes of the batch as they were. The server maps response_format json_object /
+json_schema onto the grammar.
 """
 
 import dataclasses
@@ -93,6 +96,115 @@ def test_speculation_ran_and_drafts_were_rejected_and_accepted(runs):
     drafted = sum(o.stats.drafted_tokens for o in outs)
     accepted = sum(o.stats.accepted_tokens for o in outs)
     assert 0 < accepted < drafted, (accepted, drafted)
+
+
+# ---------------------------------------------------------------------------- masked drafts
+def _acceptance(outs):
+    return (sum(o.stats.accepted_tokens for o in outs),
+            sum(o.stats.drafted_tokens for o in outs))
+
+
+@pytest.fixture(scope="module")
+def unmasked(tok):
+    """{params index: outputs over TEXTS} of the K-draft engine with mask_drafts off (the MTP's
+    drafts verified as they are), constrained by SCHEMA's grammar."""
+    g, e = grammar.json_schema_grammar(SCHEMA), engine(K)
+    prompts = [tok.encode(t) for t in TEXTS]
+    e.mask_drafts = False
+    try:
+        return {i: e.generate(prompts, dataclasses.replace(p, grammar=g))
+                for i, p in enumerate(PARAMS)}
+    finally:
+        e.mask_drafts = True
+
+
+def test_masked_drafts_raise_acceptance_and_keep_the_output(runs, unmasked):
+    """Masking the drafts by the grammar (the default) changes no token and accepts more
+    of them on this workload (an unmasked draft is mostly a token the grammar forbids, which
+    verification must reject; the rates are printed, run with -s)."""
+    for i in range(len(PARAMS)):
+        assert [o.token_ids for o in runs[(K, i)]] == [o.token_ids for o in unmasked[i]]
+    masked = _acceptance([o for i in range(len(PARAMS)) for o in runs[(K, i)]])
+    plain = _acceptance([o for outs in unmasked.values() for o in outs])
+    print(f"constrained acceptance: masked drafts {masked[0]}/{masked[1]} = "
+          f"{masked[0] / masked[1]:.3f}, unmasked {plain[0]}/{plain[1]} = "
+          f"{plain[0] / plain[1]:.3f}")
+    assert masked[0] / masked[1] > 2 * plain[0] / plain[1], (masked, plain)
+
+
+def test_verified_drafts_are_grammar_valid_where_a_candidate_is(tok, monkeypatch):
+    """Every draft a constrained lane's verification gets is allowed by the grammar at its
+    position (the verify row's mask before it) whenever one of its candidates is, and the
+    host did correct some drafts (the check saw the corrections at all)."""
+    e, g = engine(K), grammar.json_schema_grammar(SCHEMA)
+    seen = {"checked": 0, "fixed": 0}
+    real_masked = grammar.Constraint.masked_drafts
+
+    def counting(self, drafts, candidates, stops=frozenset()):
+        fixed, masks = real_masked(self, drafts, candidates, stops)
+        seen["fixed"] += sum(a != int(b) for a, b in zip(fixed, drafts))
+        return fixed, masks
+    real_step = steps.decode_step
+
+    def checking(cfg, params, cache, state, lanes, active, table, join, chunk, allowed,
+                 extras, **kw):
+        drafts, cands, masks, flag, joins = (np.asarray(x) for x in (
+            state.drafts, state.candidates, allowed, extras.constrained, join.mask))
+        for b in np.flatnonzero(flag & ~joins):
+            for j in range(kw["k"]):
+                if (masks[b, j] == -1).all():       # past the grammar walk's end
+                    break
+                if any(c >= 0 and grammar.allowed(masks[b, j], int(c)) for c in cands[b, j]):
+                    assert grammar.allowed(masks[b, j], int(drafts[b, j])), (b, j)
+                    seen["checked"] += 1
+        return real_step(cfg, params, cache, state, lanes, active, table, join, chunk,
+                         allowed, extras, **kw)
+    monkeypatch.setattr(grammar.Constraint, "masked_drafts", counting)
+    monkeypatch.setattr(steps, "decode_step", checking)
+    e.generate([tok.encode(t) for t in TEXTS],
+               [dataclasses.replace(p, grammar=g) for p in PARAMS[:3]])
+    assert seen["checked"] > 20 and seen["fixed"] > 10, seen
+
+
+def test_masked_drafts_leave_unconstrained_lanes_alone(tok):
+    """In a batch mixing constrained and unconstrained lanes, the unconstrained lane's drafts
+    (its acceptance per position) and tokens are the same with masked drafts on and off."""
+    e, g = engine(K), grammar.json_schema_grammar(SCHEMA)
+    prompts = [tok.encode(t) for t in TEXTS]
+    mixed = [SamplingParams(max_new_tokens=30, grammar=g), SamplingParams(max_new_tokens=30),
+             SamplingParams(temperature=1.0, seed=4, max_new_tokens=30, grammar=g)]
+    on = e.generate(prompts, mixed)
+    e.mask_drafts = False
+    try:
+        off = e.generate(prompts, mixed)
+    finally:
+        e.mask_drafts = True
+    assert [o.token_ids for o in on] == [o.token_ids for o in off]
+    assert on[1].stats.accepted_per_position == off[1].stats.accepted_per_position
+    assert on[1].stats.drafted_tokens == off[1].stats.drafted_tokens > 0
+    assert _acceptance([on[0], on[2]]) != _acceptance([off[0], off[2]])
+
+
+def test_masked_drafts_take_the_first_allowed_candidate(tok, llt):
+    """Constraint.masked_drafts: an allowed draft stays; a forbidden one becomes its first
+    allowed candidate, or the grammar's only allowed token when no candidate is allowed; the
+    walk goes on after a correction; a draft without candidates (-1) stays; the masks are
+    step_masks of the corrected drafts and the matcher is left where it was."""
+    c = grammar.Constraint(llt, grammar.json_schema_grammar(SCHEMA), 4096)
+    brace, quote, name = tok.encode("{")[0], tok.encode('"')[0], tok.token_to_id("name")
+    x, y = tok.encode("x")[0], tok.encode("y")[0]
+    none = [-1] * 8
+    before = c.mask().copy()
+    cands = np.array([[x, brace] + [-1] * 6,      # x forbidden: '{', the first allowed
+                      [y] + [x] * 7,              # none allowed, '"' forced: '"'
+                      [x, name] + [-1] * 6,       # 'name' allowed after '{"'
+                      none])
+    fixed, masks = c.masked_drafts([x, y, x, x], cands)
+    assert fixed == [brace, quote, name, x]
+    np.testing.assert_array_equal(masks, c.step_masks(fixed))
+    np.testing.assert_array_equal(c.mask(), before)
+    fixed, _ = c.masked_drafts([brace, quote, x], np.array([[y] * 8, none, none]))
+    assert fixed == [brace, quote, x]             # allowed drafts stay; no candidates: kept
 
 
 def test_without_the_grammar_the_output_is_no_json(tok):

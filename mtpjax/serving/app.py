@@ -97,9 +97,11 @@ def completion_logprobs(records, tokenizer, offset: int = 0) -> dict | None:
             "text_offset": offsets}
 
 
-def chat_message(text: str, thinking: bool, tools: list[dict] | None = None) -> dict:
+def chat_message(text: str, thinking: bool, tools: list[dict] | None = None,
+                 parallel: bool = True) -> dict:
     """The assistant message of a generated text: the reasoning split first, then (with tools)
-    the tool calls out of the content (`tool_parser`)."""
+    the tool calls out of the content (`tool_parser`; all of them, indexes 0..n-1, or only the
+    first when the request's parallel_tool_calls is false)."""
     from mtpjax.text import split_reasoning
     reasoning, content = split_reasoning(text, thinking)
     msg = {"role": "assistant", "content": content}
@@ -107,6 +109,7 @@ def chat_message(text: str, thinking: bool, tools: list[dict] | None = None) -> 
         msg["reasoning_content"] = reasoning
     if tools:
         msg["content"], calls = parse_tool_calls(content or "", tools)
+        calls = calls if parallel else calls[:1]
         if calls:
             msg["tool_calls"] = calls
     return msg
@@ -152,6 +155,8 @@ async def chat_chunks(handle: RequestHandle, req: ParsedRequest, head: dict, tok
             if flush:
                 more, more_calls = calls.flush()
                 content, tool_calls = content + more, tool_calls + more_calls
+            if not req.parallel_tool_calls:   # the first call only (index 0)
+                tool_calls = [c for c in tool_calls if c["index"] == 0]
         d = {}
         if reasoning:
             d["reasoning_content"] = reasoning
@@ -248,7 +253,8 @@ def final_body(kind: str, out, req: ParsedRequest, head: dict, tokenizer=None) -
     for i, o in enumerate(outs):
         lps = getattr(o, "logprobs", None)
         if kind == "chat":
-            msg = chat_message(o.text, req.enable_thinking, req.tools)
+            msg = chat_message(o.text, req.enable_thinking, req.tools,
+                               req.parallel_tool_calls)
             choices.append({"index": i, "message": msg,
                             "logprobs": chat_logprobs(lps, tokenizer),
                             "finish_reason": finish_reason(o, "tool_calls" in msg)})

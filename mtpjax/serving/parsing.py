@@ -12,8 +12,9 @@ with a seed gets the tokens `TextEngine` gives the same prompt and seed), max_to
 of the context for chat and 16 for completions. Chat stops on the tokenizer's `<|im_end|>` /
 `<|endoftext|>` as well. Tools: with tool_choice "auto" (the default) the template renders them
 and `ParsedRequest.tools` asks the app to parse calls; "none" renders the chat without them.
-"required" and a named function render and parse as "auto", and the request's grammar is one
-qwen3_coder tool call (of any of the tools, or of the named one) whose arguments follow the
+"required" and a named function render and parse as "auto", and the request's grammar is
+qwen3_coder tool calls (one or more of any of the tools with parallel_tool_calls, OpenAI's
+default, else one; one call of the named function) whose arguments follow the
 function's parameters schema, after free reasoning when thinking is on (`tool_grammar`,
 grammar.tool_call_grammar): the reply is that call, finish_reason "tool_calls".
 Structured output: `response_format` json_object / json_schema becomes the request's grammar
@@ -54,6 +55,7 @@ class ParsedRequest:
     skip_special_tokens: bool
     tools: list[dict] | None = None   # chat with tools (not "none"): parse calls for these
     n: int = 1                        # choices: sibling requests with seeds seed + i
+    parallel_tool_calls: bool = True  # several calls may be returned (else only the first)
 
     def sibling_params(self) -> list[SamplingParams]:
         """The SamplingParams of the n choices: choice i samples with seed + i (mod 2**32),
@@ -120,7 +122,8 @@ def response_grammar(req: ChatCompletionRequest) -> str | None:
 
 def tool_grammar(req: ChatCompletionRequest) -> str | None:
     """The grammar of a chat request's tool_choice (None: "auto", "none" or no tools): one
-    qwen3_coder tool call of any of the tools ("required") or of the named function, after free
+    qwen3_coder tool call of any of the tools ("required"; one or more with
+    parallel_tool_calls, OpenAI's default) or of the named function (one call), after free
     reasoning up to `</think>` when thinking is on (grammar.tool_call_grammar). 400 on 'tools'
     for a parameters schema llguidance cannot compile."""
     forced, name = req.forced_tool
@@ -128,7 +131,8 @@ def tool_grammar(req: ChatCompletionRequest) -> str | None:
         return None
     from mtpjax import grammar
     try:
-        return grammar.tool_call_grammar(req.active_tools, name, thinking=req.enable_thinking)
+        return grammar.tool_call_grammar(req.active_tools, name, thinking=req.enable_thinking,
+                                         parallel=req.parallel_calls)
     except ValueError as e:
         raise APIError(f"'tools': {e}", "tools") from None
 
@@ -155,7 +159,7 @@ def parse_chat(body: Any, limits: ServerLimits, tokenizer,
                              tokenizer.stop_ids(), tool_grammar(req) or response_grammar(req))
     return ParsedRequest(ids, params, req.stop, req.stream, req.include_usage,
                          req.enable_thinking, req.skip_special_tokens, req.active_tools,
-                         req.n or 1)
+                         req.n or 1, req.parallel_calls)
 
 
 def parse_completion(body: Any, limits: ServerLimits, tokenizer) -> ParsedRequest:

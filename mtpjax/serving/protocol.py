@@ -32,7 +32,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 # "not supported" rather than "unknown". Any other extra field is refused as unknown.
 NOT_SUPPORTED = frozenset({
     "audio", "function_call", "functions", "metadata", "modalities",
-    "parallel_tool_calls", "prediction", "reasoning_effort", "service_tier",
+    "prediction", "reasoning_effort", "service_tier",
     "store", "suffix", "user", "web_search_options", "verbosity",
     "prompt_cache_key", "safety_identifier", "min_p", "repetition_penalty", "min_tokens",
     "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "guided_json", "guided_regex",
@@ -295,8 +295,11 @@ class ChatCompletionRequest(_Sampling):
     # call what it is not shown) and parses nothing. "required" (a call of one of the tools)
     # and a named function (a call of that one) render and parse as "auto" and constrain
     # decoding to one such call whose arguments follow the function's parameters schema
-    # (grammar.tool_call_grammar).
+    # (grammar.tool_call_grammar). parallel_tool_calls (OpenAI's default true): "required" may
+    # make one or more calls (false: exactly one); a named function is always one call, as
+    # OpenAI's; with "auto" and false, only the reply's first call is returned.
     tools: list[Tool] | None = None
+    parallel_tool_calls: bool = True
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     response_format: ResponseFormat | None = None
 
@@ -353,6 +356,12 @@ class ChatCompletionRequest(_Sampling):
         if isinstance(c, NamedToolChoice):
             return True, c.function.name
         return c == "required", None
+
+    @property
+    def parallel_calls(self) -> bool:
+        """Whether the reply may hold several tool calls: parallel_tool_calls, and no named
+        function (which OpenAI calls exactly once)."""
+        return self.parallel_tool_calls and not isinstance(self.tool_choice, NamedToolChoice)
 
     @property
     def active_tools(self) -> list[dict] | None:
