@@ -43,6 +43,16 @@ plain engine's row for that position: speculation changes neither (tests/test_lo
 The bias is added to the target logits before verification samples from them, so the biased
 output is exact too.
 
+Penalties (SamplingParams.presence_penalty / frequency_penalty / repetition_penalty) ride in
+the same `steps.Extras`: each penalised lane's tokens so far (prompt + output: the host knows
+them, scheduler.Request.prompt / .out, also after a preemption, which keeps both, and for
+each of n sibling requests, which are requests of their own) as one fixed-shape history row
+of the lane's token capacity, and the three values. The step counts the history on device and
+adds the drafts before each verify row (steps._penalized), so every row sees the counts a
+plain sampler at its position sees: the penalised output is exact under speculation, greedy
+and seeded. The host keeps the history rows between steps (`_history`) and writes only each
+lane's new tokens; the row goes to the device only in a step with a penalised lane.
+
 Device state: `model.Cache` with a `PagedKV` pool per full-attention layer and for the MTP layer
 ([NKV, num_pages, page_size, HD] each) plus per-lane GDN slots per GDN layer, and
 `steps.LaneState`.
@@ -354,6 +364,11 @@ class Engine:
         self._grammar_src, self._grammar_tok = grammar_tokenizer, None
         self._no_masks: dict[tuple[int, int], jax.Array] = {}   # (lanes, depth) -> all -1
         self._no_extras: dict[int, steps.Extras] = {}             # lanes -> all off
+        # penalties: each lane slot's token history (prompt + output, -1 past it) as the
+        # steps take it, and whose it is: (the Request object, tokens written); see _extras
+        self.history_len = self.pages_per_lane * page_size
+        self._history = np.full((lane_slots, self.history_len), -1, np.int32)
+        self._history_of: list[tuple[object, int] | None] = [None] * lane_slots
 
     @property
     def clock(self):
@@ -854,23 +869,59 @@ class Engine:
         return np.asarray(out), np.asarray(n_acc), lps, key, modelled
 
     def _extras(self, sched: Scheduler, batch: StepBatch, nb: int):
-        """The step's `steps.Extras` (logit_bias, who wants log probabilities) and whether
-        any row wants them; one cached all-off set when no row asks for either."""
-        reqs = [(r.lane, sched.lanes[r.lane].req.params) for r in batch.rows]
-        reqs = [(b, p) for b, p in reqs if p.logprobs is not None or p.logit_bias]
+        """The step's `steps.Extras` (logit_bias, penalties, who wants log probabilities) and
+        whether any row wants log probabilities; one cached all-off set when no row asks for
+        any of them."""
+        reqs = [(r.lane, sched.lanes[r.lane].req) for r in batch.rows]
+        reqs = [(b, q) for b, q in reqs
+                if q.params.logprobs is not None or q.params.logit_bias or q.params.penalized]
         if not reqs:
             if nb not in self._no_extras:
-                self._no_extras[nb] = steps.Extras.none(nb)
+                self._no_extras[nb] = steps.Extras.none(nb, self.history_len)
             return self._no_extras[nb], False
         want = np.zeros(nb, bool)
         ids = np.zeros((nb, steps.LOGIT_BIAS_MAX), np.int32)
         vals = np.zeros((nb, steps.LOGIT_BIAS_MAX), np.float32)
-        for b, p in reqs:
+        plen = np.zeros(nb, np.int32)
+        pen = np.zeros((3, nb), np.float32)
+        pen[2] = 1.0
+        for b, q in reqs:
+            p = q.params
             want[b] = p.logprobs is not None
             for j, (i, v) in enumerate(p.logit_bias):
                 ids[b, j], vals[b, j] = i, v
-        return (steps.Extras(jnp.asarray(want), jnp.asarray(ids), jnp.asarray(vals)),
-                bool(want.any()))
+            if p.penalized:
+                self._write_history(b, q)
+                plen[b] = len(q.prompt)
+                pen[:, b] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+        # rows of unpenalised lanes are whatever they hold: the step ignores them; without a
+        # penalised lane the cached all -1 rows go (no upload)
+        if any(q.params.penalized for _, q in reqs):
+            history = jnp.asarray(self._history[:nb])
+        else:
+            history = self._no_extras.setdefault(
+                nb, steps.Extras.none(nb, self.history_len)).history
+        return (steps.Extras(jnp.asarray(want), jnp.asarray(ids), jnp.asarray(vals), history,
+                             jnp.asarray(plen), *map(jnp.asarray, pen)), bool(want.any()))
+
+    def _write_history(self, lane: int, req: Request) -> None:
+        """Bring lane slot `lane`'s history row up to req's tokens (prompt + output): only
+        the new output when the row already holds an earlier state of the same request
+        (outputs only grow), the whole row otherwise (a new request in the slot, or a lane
+        moved by compaction)."""
+        row = self._history[lane]
+        n = len(req.prompt) + len(req.out)
+        held = self._history_of[lane]
+        if held is not None and held[0] is req and held[1] <= n:
+            start = held[1]
+        else:
+            start = 0
+            row[:] = -1
+            row[:len(req.prompt)] = req.prompt
+        lp = len(req.prompt)
+        if n > max(start, lp):
+            row[max(start, lp):n] = req.out[max(start, lp) - lp:]
+        self._history_of[lane] = (req, n)
 
     @staticmethod
     def _token_logprobs(sched: Scheduler, lane: int, out, n_acc, lps):
@@ -993,7 +1044,7 @@ class Engine:
                 self.cfg, self.params, self.cache, self.state, lanes_s,
                 jnp.zeros(nb, bool), jnp.asarray(self.alloc.table[:nb]), steps.Join.none(nb),
                 chunk(key[3]) if key[0] == "mixed" else None, no_masks,
-                steps.Extras.none(nb), k=d,
+                steps.Extras.none(nb, self.history_len), k=d,
                 kernels=self.kernels, mesh=self.mesh, fill_mtp_kv=self.depth0_fills_mtp_kv)
             out.block_until_ready()
         elif key[0] == "prefill":
