@@ -910,17 +910,16 @@ class Engine:
         (outputs only grow), the whole row otherwise (a new request in the slot, or a lane
         moved by compaction)."""
         row = self._history[lane]
-        n = len(req.prompt) + len(req.out)
+        lp = len(req.prompt)
+        n = lp + len(req.out)
         held = self._history_of[lane]
         if held is not None and held[0] is req and held[1] <= n:
-            start = held[1]
+            start = held[1]             # >= lp: a row is written whole once
         else:
-            start = 0
             row[:] = -1
-            row[:len(req.prompt)] = req.prompt
-        lp = len(req.prompt)
-        if n > max(start, lp):
-            row[max(start, lp):n] = req.out[max(start, lp) - lp:]
+            row[:lp] = req.prompt
+            start = lp
+        row[start:n] = req.out[start - lp:]
         self._history_of[lane] = (req, n)
 
     @staticmethod

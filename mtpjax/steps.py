@@ -171,14 +171,19 @@ class Extras:
         return (self.presence != 0) | (self.frequency != 0) | (self.repetition != 1)
 
 
-def _biased(x, extras: Extras):
-    """Target logits [B, R, V] plus each lane's logit_bias (skipped when no lane has one)."""
-    def add():
+def _adjusted(x, extras: Extras, drafts):
+    """Target logits [B, R, V] (verify rows; row j follows drafts d_1..d_j, drafts i32[B,
+    R-1]) plus each lane's logit_bias, then each penalised lane's penalties (`_penalized`).
+    One lax.cond on "some lane has a bias or a penalty": its pass-through branch copies the
+    logits once (XLA's conditional returns a fresh buffer), so a step with neither pays that
+    one copy, as it did before penalties existed, not one per feature."""
+    def adjust():
         B, V = x.shape[0], x.shape[-1]
         dense = jnp.zeros((B, V), jnp.float32).at[
             jnp.arange(B)[:, None], extras.bias_ids].add(extras.bias, mode="drop")
-        return x + dense[:, None, :].astype(x.dtype)
-    return lax.cond(jnp.any(extras.bias != 0), add, lambda: x)
+        return _penalized(x + dense[:, None, :].astype(x.dtype), extras, drafts)
+    return lax.cond(jnp.any(extras.bias != 0) | jnp.any(extras.penalized()), adjust,
+                    lambda: x)
 
 
 def penalize(x, counts, in_prompt, presence, frequency, repetition):
@@ -194,10 +199,9 @@ def penalize(x, counts, in_prompt, presence, frequency, repetition):
 
 
 def _penalized(x, extras: Extras, drafts):
-    """Target logits [B, R, V] (verify rows: row j follows drafts d_1..d_j, drafts i32[B,
-    R-1]) with each penalised lane's penalties (`penalize`), skipped when no lane has one.
-    Row j counts the lane's output history plus d_1..d_j: the tokens a plain sampler at that
-    position has emitted (see `Extras`)."""
+    """Logits [B, R, V] as in `_adjusted` with each penalised lane's penalties (`penalize`),
+    skipped when no lane has one. Row j counts the lane's output history plus d_1..d_j: the
+    tokens a plain sampler at that position has emitted (see `Extras`)."""
     def apply():
         B, R, V = x.shape
         L = extras.history.shape[1]
@@ -265,13 +269,13 @@ def _verify(cfg: Config, params: Params, h, drafts, lanes, first_position, allow
     the branch.
 
     extras: None (returns (n_accepted, tokens)) or the lanes' `Extras`: their logit_bias is
-    added to the target logits, then their penalties apply (`_penalized`: row j counting the
+    added to the target logits, then their penalties apply (`_adjusted`: row j counting the
     drafts before it), both before the mask; the step's log probabilities come third
     (`_logprobs_out`: of the raw logits, the same rows plain decoding computes one at a time,
     so they are the plain engine's)."""
     def processed(x):
         if extras is not None:
-            x = _penalized(_biased(x, extras), extras, drafts)
+            x = _adjusted(x, extras, drafts)
         if allowed is None:
             return x
         return lax.cond(grammar.constrained(allowed),
