@@ -205,23 +205,24 @@ def _penalized(x, extras: Extras, drafts):
     def apply():
         B, R, V = x.shape
         L = extras.history.shape[1]
-        lane = jnp.arange(B)[:, None]
         known = extras.history >= 0
-        is_out = known & (jnp.arange(L)[None, :] >= extras.prompt_len[:, None])
-        # V is out of range: those entries are dropped
-        counts = jnp.zeros((B, V), jnp.int32).at[
-            lane, jnp.where(is_out, extras.history, V)].add(1, mode="drop")
-        in_prompt = jnp.zeros((B, V), bool).at[
-            lane, jnp.where(known & ~is_out, extras.history, V)].set(True, mode="drop")
-        counts = jnp.broadcast_to(counts[:, None, :], (B, R, V))
+        is_prompt = jnp.arange(L)[None, :] < extras.prompt_len[:, None]
+        # one scatter: [B, 2, V] counts of the output's tokens (0) and the prompt's (1); V is
+        # out of range, so unknown (-1) entries are dropped
+        seen = jnp.zeros((B, 2, V), jnp.int32).at[
+            jnp.arange(B)[:, None], is_prompt.astype(jnp.int32),
+            jnp.where(known, extras.history, V)].add(1, mode="drop")
+        counts, in_prompt = seen[:, None, 0], seen[:, None, 1] > 0           # [B, 1, V]
         k = drafts.shape[1]
-        if k:     # row j also counts d_1..d_j: draft i (0-based) in every row j > i
-            rows = jnp.arange(R)[:, None]
-            ids = jnp.where(jnp.arange(k)[None, :] < rows, drafts[:, None, :], V)  # [B, R, k]
-            counts = counts.at[lane[:, :, None], rows[None], ids].add(1, mode="drop")
+        if k:     # row j also counts d_1..d_j (a running sum of one-hots: elementwise)
+            rows, acc = [jnp.zeros((B, V), jnp.int32)], 0
+            for i in range(k):
+                acc = acc + (drafts[:, i, None] == jnp.arange(V)[None, :]).astype(jnp.int32)
+                rows.append(acc)
+            counts = counts + jnp.stack(rows, axis=1)                          # [B, R, V]
         col = lambda v: v[:, None, None].astype(x.dtype)
-        y = penalize(x, counts, in_prompt[:, None, :], col(extras.presence),
-                     col(extras.frequency), col(extras.repetition))
+        y = penalize(x, counts, in_prompt, col(extras.presence), col(extras.frequency),
+                     col(extras.repetition))
         return jnp.where(extras.penalized()[:, None, None], y, x)
     return lax.cond(jnp.any(extras.penalized()), apply, lambda: x)
 
