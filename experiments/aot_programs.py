@@ -170,10 +170,14 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
     step_args = (cfg, params, cache, state, lane_sampling, active, table, join)
     step_kinds = (None, WEIGHT, CACHE, OTHER, OTHER, OTHER, OTHER, OTHER)
     def masks(k):   # what every engine decode step takes: the grammar masks (all -1: none)
-        # and the per-lane extras (logprobs wanted, logit_bias, masked drafts; all off)
+        # and the per-lane extras (logprobs wanted, logit_bias, penalties with the lanes'
+        # token history as Engine.history_len, masked drafts; all off: none)
         m = _sds((B, k + 1, (cfg.vocab_size + 31) // 32), i32)
         x = steps.Extras(_sds((B,), jnp.bool_), _sds((B, steps.LOGIT_BIAS_MAX), i32),
-                         _sds((B, steps.LOGIT_BIAS_MAX), f32), _sds((B,), jnp.bool_))
+                         _sds((B, steps.LOGIT_BIAS_MAX), f32),
+                         _sds((B, pages_per_lane * page_size), i32), _sds((B,), i32),
+                         _sds((B,), f32), _sds((B,), f32), _sds((B,), f32),
+                         _sds((B,), jnp.bool_))
         return (m, x) if mesh is None else _place((m, x), rep)
     for k in depths:      # k MTP passes: the re-run over the accepted pairs + k - 1 chained
         progs.append(Program(

@@ -49,6 +49,16 @@ plain engine's row for that position: speculation changes neither (tests/test_lo
 The bias is added to the target logits before verification samples from them, so the biased
 output is exact too.
 
+Penalties (SamplingParams.presence_penalty / frequency_penalty / repetition_penalty) ride in
+the same `steps.Extras`: each penalised lane's tokens so far (prompt + output: the host knows
+them, scheduler.Request.prompt / .out, also after a preemption, which keeps both, and for
+each of n sibling requests, which are requests of their own) as one fixed-shape history row
+of the lane's token capacity, and the three values. The step counts the history on device and
+adds the drafts before each verify row (steps._penalized), so every row sees the counts a
+plain sampler at its position sees: the penalised output is exact under speculation, greedy
+and seeded. The host keeps the history rows between steps (`_history`) and writes only each
+lane's new tokens; the row goes to the device only in a step with a penalised lane.
+
 Device state: `model.Cache` with a `PagedKV` pool per full-attention layer and for the MTP layer
 ([NKV, num_pages, page_size, HD] each) plus per-lane GDN slots per GDN layer, and
 `steps.LaneState`.
@@ -360,6 +370,11 @@ class Engine:
         self.mask_drafts = bool(mask_drafts)
         self._no_masks: dict[tuple[int, int], jax.Array] = {}   # (lanes, depth) -> all -1
         self._no_extras: dict[int, steps.Extras] = {}             # lanes -> all off
+        # penalties: each lane slot's token history (prompt + output, -1 past it) as the
+        # steps take it, and whose it is: (the Request object, tokens written); see _extras
+        self.history_len = self.pages_per_lane * page_size
+        self._history = np.full((lane_slots, self.history_len), -1, np.int32)
+        self._history_of: list[tuple[object, int] | None] = [None] * lane_slots
 
     @property
     def clock(self):
@@ -900,17 +915,17 @@ class Engine:
         return np.asarray(out), np.asarray(n_acc), lps, key, modelled
 
     def _extras(self, sched: Scheduler, batch: StepBatch, nb: int):
-        """The step's `steps.Extras` (logit_bias, who wants log probabilities, which lanes'
-        drafts are masked) and whether any row wants log probabilities; one cached all-off
-        set when no row asks for any."""
+        """The step's `steps.Extras` (logit_bias, penalties, who wants log probabilities,
+        which lanes' drafts are masked) and whether any row wants log probabilities; one
+        cached all-off set when no row asks for any of them."""
         if nb not in self._no_extras:
-            self._no_extras[nb] = steps.Extras.none(nb)
+            self._no_extras[nb] = steps.Extras.none(nb, self.history_len)
         none = self._no_extras[nb]
         reqs = [(r.lane, sched.lanes[r.lane].req) for r in batch.rows]
-        masked = [b for b, req in reqs if req.constraint is not None] if (
+        masked = [b for b, q in reqs if q.constraint is not None] if (
             self.mask_drafts and self.k) else []
-        reqs = [(b, req.params) for b, req in reqs
-                if req.params.logprobs is not None or req.params.logit_bias]
+        reqs = [(b, q) for b, q in reqs
+                if q.params.logprobs is not None or q.params.logit_bias or q.params.penalized]
         if not reqs and not masked:
             return none, False
         x = none
@@ -923,12 +938,45 @@ class Engine:
         want = np.zeros(nb, bool)
         ids = np.zeros((nb, steps.LOGIT_BIAS_MAX), np.int32)
         vals = np.zeros((nb, steps.LOGIT_BIAS_MAX), np.float32)
-        for b, p in reqs:
+        plen = np.zeros(nb, np.int32)
+        pen = np.zeros((3, nb), np.float32)
+        pen[2] = 1.0
+        for b, q in reqs:
+            p = q.params
             want[b] = p.logprobs is not None
             for j, (i, v) in enumerate(p.logit_bias):
                 ids[b, j], vals[b, j] = i, v
-        return (dataclasses.replace(x, want=jnp.asarray(want), bias_ids=jnp.asarray(ids),
-                                    bias=jnp.asarray(vals)), bool(want.any()))
+            if p.penalized:
+                self._write_history(b, q)
+                plen[b] = len(q.prompt)
+                pen[:, b] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
+        # rows of unpenalised lanes are whatever they hold: the step ignores them; without a
+        # penalised lane the cached all -1 rows go (no upload)
+        if any(q.params.penalized for _, q in reqs):
+            history = jnp.asarray(self._history[:nb])
+        else:
+            history = none.history
+        return (steps.Extras(jnp.asarray(want), jnp.asarray(ids), jnp.asarray(vals), history,
+                             jnp.asarray(plen), *map(jnp.asarray, pen), x.constrained),
+                bool(want.any()))
+
+    def _write_history(self, lane: int, req: Request) -> None:
+        """Bring lane slot `lane`'s history row up to req's tokens (prompt + output): only
+        the new output when the row already holds an earlier state of the same request
+        (outputs only grow), the whole row otherwise (a new request in the slot, or a lane
+        moved by compaction)."""
+        row = self._history[lane]
+        lp = len(req.prompt)
+        n = lp + len(req.out)
+        held = self._history_of[lane]
+        if held is not None and held[0] is req and held[1] <= n:
+            start = held[1]             # >= lp: a row is written whole once
+        else:
+            row[:] = -1
+            row[:lp] = req.prompt
+            start = lp
+        row[start:n] = req.out[start - lp:]
+        self._history_of[lane] = (req, n)
 
     @staticmethod
     def _token_logprobs(sched: Scheduler, lane: int, out, n_acc, lps):
@@ -1051,7 +1099,7 @@ class Engine:
                 self.cfg, self.params, self.cache, self.state, lanes_s,
                 jnp.zeros(nb, bool), jnp.asarray(self.alloc.table[:nb]), steps.Join.none(nb),
                 chunk(key[3]) if key[0] == "mixed" else None, no_masks,
-                steps.Extras.none(nb), k=d,
+                steps.Extras.none(nb, self.history_len), k=d,
                 kernels=self.kernels, mesh=self.mesh, fill_mtp_kv=self.depth0_fills_mtp_kv)
             out.block_until_ready()
         elif key[0] == "prefill":

@@ -97,6 +97,16 @@ class SamplingParams:
     # target logits at every position before sampling (and verification: exact under
     # speculation). At most MAX_LOGIT_BIAS entries, each bias in [-100, 100].
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # Penalties on tokens already seen (OpenAI's / vLLM's semantics), applied to the target
+    # logits after logit_bias and before any grammar mask, temperature and top-k / top-p: with
+    # c[t] the count of token t in the request's OUTPUT so far, logits[t] -= frequency_penalty
+    # * c[t] + presence_penalty * (c[t] > 0), each in [-2, 2] (0 = off); repetition_penalty r
+    # > 0 (HF / vLLM; 1 = off) first scales the logit of every token in the prompt or the
+    # output so far: divided by r where positive, multiplied by r otherwise. Exact under
+    # speculation: verify row j counts the drafts before it (steps.Extras).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self):
         # A list is accepted for convenience; a tuple keeps the object hashable.
@@ -142,9 +152,24 @@ class SamplingParams:
                     or not math.isfinite(b) or not -100 <= b <= 100):
                 raise ValueError(f"logit_bias values must be numbers in [-100, 100], got "
                                  f"{b!r} for token id {i}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_number(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+                raise ValueError(f"{name} must be a number in [-{MAX_PENALTY:g}, "
+                                 f"{MAX_PENALTY:g}] (0 = off), got {v!r}")
+        r = self.repetition_penalty
+        if not _is_number(r) or not r > 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0 (1 = off), got "
+                             f"{r!r}")
         if self.grammar is not None and (not isinstance(self.grammar, str) or not self.grammar):
             raise ValueError(f"grammar must be a llguidance grammar string or None, got "
                              f"{type(self.grammar).__name__}")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether any of the three penalties is on."""
+        return (self.presence_penalty != 0 or self.frequency_penalty != 0
+                or self.repetition_penalty != 1)
 
     def validate(self, vocab_size: int) -> SamplingParams:
         """Checks every field against ``vocab_size``; returns self so calls can chain."""
@@ -163,6 +188,13 @@ class SamplingParams:
 
 MAX_LOGPROBS = 20        # top log probabilities per token (OpenAI's most); steps.TOP_LOGPROBS
 MAX_LOGIT_BIAS = 300     # logit_bias entries per request (OpenAI's most); steps.LOGIT_BIAS_MAX
+MAX_PENALTY = 2.0        # presence / frequency penalties lie in [-2, 2] (OpenAI's range)
+
+
+def _is_number(v) -> bool:
+    """A finite real number (not a bool)."""
+    return (not isinstance(v, bool) and isinstance(v, (int, float, np.integer, np.floating))
+            and math.isfinite(v))
 
 
 def _bias_pairs(v) -> tuple:

@@ -144,17 +144,33 @@ LOGIT_BIAS_MAX = 300
 
 
 @partial(jax.tree_util.register_dataclass,
-         data_fields=["want", "bias_ids", "bias", "constrained"], meta_fields=[])
+         data_fields=["want", "bias_ids", "bias", "history", "prompt_len", "presence",
+                      "frequency", "repetition", "constrained"], meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Extras:
     """Per-lane step options beyond the sampler's, always passed by the engine (all off: one
-    cached array set), so they add no compiled program.
+    cached array set per lane bucket), so they add no compiled program; each feature sits
+    behind a lax.cond on "some lane uses it", so a step where none does pays nothing for it.
 
     want: bool[B], the lane wants its tokens' log probabilities (the step then returns them
     for every row, see `token_logprobs`). bias_ids i32[B, M], bias f32[B, M] (M =
     LOGIT_BIAS_MAX): the lane's logit_bias, padded with (0, 0.0); added to the target logits
     of every verify row before the grammar mask and the sampler, so verification samples from
     the biased target distribution, the one a plain sampler draws from: exact.
+
+    Penalties (SamplingParams.presence_penalty / frequency_penalty / repetition_penalty):
+    presence, frequency f32[B] (0 = off), repetition f32[B] (1 = off); history i32[B, L]: the
+    lane's tokens so far, prompt then output (-1 past them; L = the lane's token capacity,
+    pages_per_lane * page_size, fixed per engine and already in its programs' shape key, so
+    the array adds no program), prompt_len i32[B]: where the output starts in it. Why a
+    stateless history rather than counts kept in the cache: nothing new to roll back on a
+    rejected draft, to move with a lane, to rebuild after preemption or a fault; the host
+    always knows every lane's tokens (scheduler.Request: prompt and out), so one fixed-shape
+    array carries them, and the step scatters it into dense [B, V] counts only when a lane
+    is penalised (`_penalized`). Verify row j (after drafts d_1..d_j) counts those drafts on
+    top of the history, which is what a plain sampler at that position counts: row j is only
+    emitted when d_1..d_j were accepted, i.e. were its emitted tokens. So speculation is
+    exact with penalties too.
     constrained: bool[B], the lane's drafts are corrected by its grammar on the host (masked
     drafts): when any lane is, the step records every lane's draft candidates in
     LaneState.candidates (a top-DRAFT_CANDIDATES per draft, under lax.cond: a step without
@@ -162,23 +178,81 @@ class Extras:
     want: jax.Array
     bias_ids: jax.Array
     bias: jax.Array
+    history: jax.Array
+    prompt_len: jax.Array
+    presence: jax.Array
+    frequency: jax.Array
+    repetition: jax.Array
     constrained: jax.Array
 
     @staticmethod
-    def none(lanes: int) -> "Extras":
-        return Extras(jnp.zeros((lanes,), bool), jnp.zeros((lanes, LOGIT_BIAS_MAX), jnp.int32),
+    def none(lanes: int, history_len: int) -> "Extras":
+        """Every option off for `lanes` lanes, with a history of history_len slots."""
+        z = lambda dt: jnp.zeros((lanes,), dt)
+        return Extras(z(bool), jnp.zeros((lanes, LOGIT_BIAS_MAX), jnp.int32),
                       jnp.zeros((lanes, LOGIT_BIAS_MAX), jnp.float32),
-                      jnp.zeros((lanes,), bool))
+                      jnp.full((lanes, history_len), -1, jnp.int32), z(jnp.int32),
+                      z(jnp.float32), z(jnp.float32), jnp.ones((lanes,), jnp.float32), z(bool))
+
+    def penalized(self):
+        """bool[B]: the lanes with a penalty on."""
+        return (self.presence != 0) | (self.frequency != 0) | (self.repetition != 1)
 
 
-def _biased(x, extras: Extras):
-    """Target logits [B, R, V] plus each lane's logit_bias (skipped when no lane has one)."""
-    def add():
+def _adjusted(x, extras: Extras, drafts):
+    """Target logits [B, R, V] (verify rows; row j follows drafts d_1..d_j, drafts i32[B,
+    R-1]) plus each lane's logit_bias, then each penalised lane's penalties (`_penalized`).
+    One lax.cond on "some lane has a bias or a penalty": its pass-through branch copies the
+    logits once (XLA's conditional returns a fresh buffer), so a step with neither pays that
+    one copy, as it did before penalties existed, not one per feature."""
+    def adjust():
         B, V = x.shape[0], x.shape[-1]
         dense = jnp.zeros((B, V), jnp.float32).at[
             jnp.arange(B)[:, None], extras.bias_ids].add(extras.bias, mode="drop")
-        return x + dense[:, None, :].astype(x.dtype)
-    return lax.cond(jnp.any(extras.bias != 0), add, lambda: x)
+        return _penalized(x + dense[:, None, :].astype(x.dtype), extras, drafts)
+    return lax.cond(jnp.any(extras.bias != 0) | jnp.any(extras.penalized()), adjust,
+                    lambda: x)
+
+
+def penalize(x, counts, in_prompt, presence, frequency, repetition):
+    """The penalised logits (vLLM's order: repetition, then frequency, then presence).
+    x [..., V]; counts i32[..., V]: each token's count in the output before the position;
+    in_prompt bool[..., V]; presence, frequency, repetition broadcast against x[..., :1].
+    A token seen in the prompt or the output has its logit divided by repetition where
+    positive, multiplied where not; then logit -= frequency * count + presence * (count > 0).
+    """
+    seen = counts > 0
+    x = jnp.where(seen | in_prompt, jnp.where(x > 0, x / repetition, x * repetition), x)
+    return x - frequency * counts.astype(x.dtype) - presence * seen.astype(x.dtype)
+
+
+def _penalized(x, extras: Extras, drafts):
+    """Logits [B, R, V] as in `_adjusted` with each penalised lane's penalties (`penalize`),
+    skipped when no lane has one. Row j counts the lane's output history plus d_1..d_j: the
+    tokens a plain sampler at that position has emitted (see `Extras`)."""
+    def apply():
+        B, R, V = x.shape
+        L = extras.history.shape[1]
+        known = extras.history >= 0
+        is_prompt = jnp.arange(L)[None, :] < extras.prompt_len[:, None]
+        # one scatter: [B, 2, V] counts of the output's tokens (0) and the prompt's (1); V is
+        # out of range, so unknown (-1) entries are dropped
+        seen = jnp.zeros((B, 2, V), jnp.int32).at[
+            jnp.arange(B)[:, None], is_prompt.astype(jnp.int32),
+            jnp.where(known, extras.history, V)].add(1, mode="drop")
+        counts, in_prompt = seen[:, None, 0], seen[:, None, 1] > 0           # [B, 1, V]
+        k = drafts.shape[1]
+        if k:     # row j also counts d_1..d_j (a running sum of one-hots: elementwise)
+            rows, acc = [jnp.zeros((B, V), jnp.int32)], 0
+            for i in range(k):
+                acc = acc + (drafts[:, i, None] == jnp.arange(V)[None, :]).astype(jnp.int32)
+                rows.append(acc)
+            counts = counts + jnp.stack(rows, axis=1)                          # [B, R, V]
+        col = lambda v: v[:, None, None].astype(x.dtype)
+        y = penalize(x, counts, in_prompt, col(extras.presence), col(extras.frequency),
+                     col(extras.repetition))
+        return jnp.where(extras.penalized()[:, None, None], y, x)
+    return lax.cond(jnp.any(extras.penalized()), apply, lambda: x)
 
 
 def token_logprobs(logits, tokens, top: int):
@@ -218,17 +292,19 @@ def _verify(cfg: Config, params: Params, h, drafts, lanes, first_position, allow
 
     Under tensor parallelism a batch of greedy lanes only needs each position's argmax, which
     `model.argmax_tokens` finds on the sharded logits ([tp, B, k+1] pairs gathered); only a
-    batch with a sampling lane (or a constrained lane) gathers the [B, k+1, V] logits for the
-    exact sampler. Both give the first argmax for a greedy lane, so the tokens do not depend on
+    batch with a sampling lane (or a constrained, biased or penalised lane) gathers the
+    [B, k+1, V] logits for the exact sampler; the bias and penalties then apply to the full
+    logits, identically on every shard (their inputs are replicated). Both give the first argmax for a greedy lane, so the tokens do not depend on
     the branch.
 
     extras: None (returns (n_accepted, tokens)) or the lanes' `Extras`: their logit_bias is
-    added to the target logits (before the mask), and the step's log probabilities come third
+    added to the target logits, then their penalties apply (`_adjusted`: row j counting the
+    drafts before it), both before the mask; the step's log probabilities come third
     (`_logprobs_out`: of the raw logits, the same rows plain decoding computes one at a time,
     so they are the plain engine's)."""
     def processed(x):
         if extras is not None:
-            x = _biased(x, extras)
+            x = _adjusted(x, extras, drafts)
         if allowed is None:
             return x
         return lax.cond(grammar.constrained(allowed),
@@ -253,7 +329,8 @@ def _verify(cfg: Config, params: Params, h, drafts, lanes, first_position, allow
     if allowed is not None:
         fast = fast & ~grammar.constrained(allowed)
     if extras is not None:
-        fast = fast & ~jnp.any(extras.bias != 0) & ~jnp.any(extras.want)
+        fast = (fast & ~jnp.any(extras.bias != 0) & ~jnp.any(extras.want)
+                & ~jnp.any(extras.penalized()))
     return lax.cond(fast, quick, slow)
 
 
@@ -381,8 +458,8 @@ def decode_step(cfg: Config, params: Params, cache: Cache, state: LaneState,
     (structured output, mtpjax/grammar.py; all -1 for an unconstrained lane): verification
     samples from the masked target distribution. The engine always passes it (all -1 when no
     lane is constrained), so constrained and unconstrained steps run one program.
-    extras: None, or the lanes' `Extras` (logit_bias, whether they want log probabilities);
-    the engine always passes it (all off when no lane asks), so it adds no program. With it the
+    extras: None, or the lanes' `Extras` (logit_bias, penalties with each lane's token history,
+    whether they want log probabilities); the engine always passes it (all off when no lane asks), so it adds no program. With it the
     step returns a fifth output, the log probabilities of every verify row (`token_logprobs`:
     the raw target distribution's, f32[B, k+1], top ids i32[B, k+1, L], top logprobs
     f32[B, k+1, L], L = min(TOP_LOGPROBS, V); zeros when no lane wants them). Every emitted

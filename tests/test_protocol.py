@@ -148,8 +148,8 @@ def test_chat_content_parts_and_tool_history(tok, template):
     ({"stop": [""]}, "stop"), ({"stop": 3}, "stop"), ({"stop": ["a", 1]}, "stop"),
     ({"stream": "yes"}, "stream"), ({"stream_options": {"include_usage": 1}}, "stream_options"),
     ({"stream_options": {"continuous_usage_stats": True}}, "stream_options"),
-    ({"n": 0}, "n"), ({"n": 17}, "n"), ({"presence_penalty": 0.5}, "presence_penalty"),
-    ({"frequency_penalty": -1}, "frequency_penalty"), ({"logprobs": 1}, "logprobs"),
+    ({"n": 0}, "n"), ({"n": 17}, "n"), ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"frequency_penalty": -3}, "frequency_penalty"), ({"logprobs": 1}, "logprobs"),
     ({"tools": [{"type": "custom", "function": {"name": "f"}}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"description": "no name"}}]}, "tools"),
     ({"tools": [{"type": "function", "function": {"name": ""}}]}, "tools"),
@@ -178,7 +178,7 @@ def test_chat_content_parts_and_tool_history(tok, template):
     ({"logit_bias": {"1": 500}}, "logit_bias"), ({"logit_bias": {"x": 5}}, "logit_bias"),
     ({"logit_bias": {"300": 5}}, "logit_bias"),
     ({"user": "bob"}, "user"), ({"parallel_tool_calls": 1}, "parallel_tool_calls"),
-    ({"min_p": 0.1}, "min_p"), ({"repetition_penalty": 1.1}, "repetition_penalty"),
+    ({"min_p": 0.1}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"reasoning_effort": "low"}, "reasoning_effort"), ({"made_up": 1}, "made_up"),
 ])
 def test_chat_field_refused_by_name(tok, template, fields, param):
@@ -242,8 +242,9 @@ def test_every_declared_field_is_implemented_or_no_op_only():
                    "stop", "stream", "stream_options", "skip_special_tokens", "max_tokens",
                    "max_completion_tokens", "chat_template_kwargs", "tools", "tool_choice",
                    "response_format", "n", "logprobs", "top_logprobs", "logit_bias",
-                   "parallel_tool_calls"}
-    no_op_only = {"presence_penalty", "frequency_penalty", "echo", "best_of"}
+                   "parallel_tool_calls", "presence_penalty", "frequency_penalty",
+                   "repetition_penalty"}
+    no_op_only = {"echo", "best_of"}
     declared = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
     assert declared == implemented | no_op_only
     assert not declared & NOT_SUPPORTED

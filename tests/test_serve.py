@@ -280,7 +280,7 @@ def test_bad_requests_get_openai_errors_and_leave_streams_alone(live, client, re
              "messages")
     error_of(*http(url, {"model": "tiny", "messages": msgs, "stop": [""]}), 400, "stop")
     for field, value in [("response_format", {"type": "yaml"}), ("tool_choice", "required"),
-                         ("logprobs", 1), ("presence_penalty", 0.5), ("top_logprobs", 2),
+                         ("logprobs", 1), ("presence_penalty", 2.5), ("top_logprobs", 2),
                          ("made_up_field", 1)]:
         e = error_of(*http(url, {"model": "tiny", "messages": msgs, field: value}), 400, field)
         assert field in e["message"]

@@ -98,7 +98,11 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
                           room if default_max is None else min(default_max, room),
                           seed=secrets.randbits(32) if req.seed is None else req.seed,
                           stop_token_ids=stop_token_ids, grammar=grammar,
-                          logprobs=req.num_logprobs, logit_bias=tuple(sorted(bias.items())))
+                          logprobs=req.num_logprobs, logit_bias=tuple(sorted(bias.items())),
+                          presence_penalty=req.presence_penalty or 0.0,
+                          frequency_penalty=req.frequency_penalty or 0.0,
+                          repetition_penalty=(1.0 if req.repetition_penalty is None
+                                              else req.repetition_penalty))
 
 
 def response_grammar(req: ChatCompletionRequest) -> str | None:

@@ -4,10 +4,11 @@ Why strict models: a client (an agent framework, most often) that sends a field 
 does not implement must hear so, not get an answer that quietly ignored it. So every model
 forbids unknown fields, and the OpenAI fields the engine does not implement yet are either left
 out (a 400 "'suffix' is not supported by this server") or declared with only their
-no-op value allowed (penalties = 0), which clients often send explicitly. `n` (1..MAX_N
+no-op value allowed (echo, best_of), which clients often send explicitly. `n` (1..MAX_N
 choices: sibling requests, seeds seed, seed + 1, ...), `logprobs` / `top_logprobs` (chat;
-completions: `logprobs` 0..5) and `logit_bias` ({"token id": bias in [-100, 100]}, at most
-300) are implemented. Structured output: `response_format` {"type": "text" | "json_object" |
+completions: `logprobs` 0..5), `logit_bias` ({"token id": bias in [-100, 100]}, at most
+300), `presence_penalty` / `frequency_penalty` (in [-2, 2]) and vLLM's `repetition_penalty`
+(> 0) are implemented. Structured output: `response_format` {"type": "text" | "json_object" |
 "json_schema"} (chat); the JSON ones constrain decoding with a grammar
 (parsing.response_grammar, mtpjax/grammar.py), and so do `tool_choice` "required" and a named
 function (parsing.tool_grammar): one grammar per request, so these do not go together.
@@ -34,7 +35,7 @@ NOT_SUPPORTED = frozenset({
     "audio", "function_call", "functions", "metadata", "modalities",
     "prediction", "reasoning_effort", "service_tier",
     "store", "suffix", "user", "web_search_options", "verbosity",
-    "prompt_cache_key", "safety_identifier", "min_p", "repetition_penalty", "min_tokens",
+    "prompt_cache_key", "safety_identifier", "min_p", "min_tokens",
     "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "structured_outputs", "name", "continuous_usage_stats",
     "documents", "chat_template", "add_generation_prompt", "continue_final_message",
@@ -258,11 +259,14 @@ class _Sampling(_Strict):
     n: int | None = Field(None, ge=1, le=MAX_N, description=f"an integer in [1, {MAX_N}]")
     # {"token id": bias}: added to the logits before sampling (SamplingParams.logit_bias)
     logit_bias: dict[int, float] | None = None
-    # no-op values only (clients send the defaults explicitly):
-    presence_penalty: float | None = Field(None, ge=0.0, le=0.0,
-                                           description="0 (penalties are not supported)")
-    frequency_penalty: float | None = Field(None, ge=0.0, le=0.0,
-                                            description="0 (penalties are not supported)")
+    # penalties on tokens seen so far (SamplingParams.presence_penalty, ...): OpenAI's two,
+    # on the output's tokens, and vLLM's repetition_penalty, on the prompt's and output's
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False,
+                                           description="a number in [-2, 2]")
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0, allow_inf_nan=False,
+                                            description="a number in [-2, 2]")
+    repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False,
+                                             description="a finite number > 0")
 
     @field_validator("stop", mode="before")
     @classmethod
