@@ -308,7 +308,10 @@ def _param_rule(rule: str, pname: str, schema: Any) -> str:
         if types == {"string"} and (isinstance(lo, int) or isinstance(hi, int)):
             lo = lo if isinstance(lo, int) and lo > 0 else 0
             hi = f"{hi}" if isinstance(hi, int) and hi >= 0 else ""
-            return f'{rule}: {head} /[^<]{{{lo},{hi}}}/ {tail}\n'
+            # The value and its closing newline are one lexeme: with the newline in the tail,
+            # the lexer (greedy) would take a newline after a short value into the value and
+            # the value could only end at maxLength.
+            return f'{rule}: {head} /[^<]{{{lo},{hi}}}\\n/ "</parameter>\\n"\n'
         return f'{rule}: {head} /[^<]*/ "</parameter>\\n"\n'
     sub = {**schema, "x-guidance": {**JSON_LAYOUT, **schema.get("x-guidance", {})}}
     return (f'{rule}: {head} {rule}_v {tail}\n'

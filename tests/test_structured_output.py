@@ -460,6 +460,30 @@ def test_tool_call_grammar_string_constraints(tok, llt):
         assert any(c.consume(t) for t in tok.encode(bad)), bad
 
 
+@pytest.mark.parametrize("lo,hi", [(1, 3), (0, 5), (2, None)])
+def test_tool_call_grammar_string_length_closes_anywhere_within_bounds(tok, llt, lo, hi):
+    """A bounded string parameter may close at any length in [minLength, maxLength], not only
+    at maxLength (a greedy lexer took the newline after a short value into the value), and
+    the mask offers the closing tag as soon as the value is long enough."""
+    bounds = {"minLength": lo} | ({} if hi is None else {"maxLength": hi})
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"s": {"type": "string", **bounds}},
+        "required": ["s"]}}}]
+    g = grammar.tool_call_grammar(tools)
+    head = "<tool_call>\n<function=f>\n<parameter=s>\n"
+    opens_tag = [i for i in range(4096) if tok.decode([i]).startswith("<")]
+    for n in range(0, (hi if hi is not None else lo + 4) + 3):
+        text = head + "x" * n + "\n</parameter>\n</function>\n</tool_call>"
+        c = grammar.Constraint(llt, g, 4096)
+        ok = all(c.consume(t) is None for t in tok.encode(text)) and c.stopped
+        assert ok == (lo <= n and (hi is None or n <= hi)), (n, lo, hi)
+        if hi is None or n <= hi:       # after the value and a newline, "<" closes it
+            c = grammar.Constraint(llt, g, 4096)
+            assert all(c.consume(t) is None for t in tok.encode(head + "x" * n + "\n"))
+            closes = any(grammar.allowed(c.mask(), i) for i in opens_tag)
+            assert closes == (n >= lo), (n, lo, hi)
+
+
 @pytest.mark.parametrize("which", ["json", "tool_call"])
 def test_thinking_grammars_roll_back(tok, llt, which):
     """Speculative decoding rolls the matcher back after every step: the reasoning part of the
