@@ -43,8 +43,12 @@ def full_logits(tokens):
 def test_prefill_then_steps_equals_full_forward(n, k):
     B = 2
     tokens = jnp.asarray(np.random.default_rng(n).integers(0, CFG.vocab_size, (B, n + k + 1)))
-    ref = full_logits(tokens)
+    more = jnp.asarray(np.random.default_rng(9).integers(0, CFG.vocab_size, (B, 1)))
     L = n + k + 1
+    # one full forward over the L tokens and the one after them: its first L positions are
+    # the reference of the L tokens (causal), its last the reference of the token after
+    full = full_logits(jnp.concatenate([tokens, more], 1))
+    ref, ref2 = full[:, :L], full[:, L:]
     z = jnp.zeros(B, jnp.int32)
 
     # prefill n, then k+1 one-token steps
@@ -63,9 +67,7 @@ def test_prefill_then_steps_equals_full_forward(n, k):
     lg, cache = run(cache, tokens[:, n:], z + n, z + k + 1, "step")
     close(jnp.concatenate([logits, lg], 1), ref)
     # and one more token after it (the pending block is replayed in full)
-    more = jnp.asarray(np.random.default_rng(9).integers(0, CFG.vocab_size, (B, 1)))
     lg2, _ = run(cache, more, z + L, z + 1, "step")
-    ref2 = full_logits(jnp.concatenate([tokens, more], 1))[:, -1:]
     close(lg2, ref2)
 
 

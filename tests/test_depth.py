@@ -56,7 +56,9 @@ def _engine(k, policy=None, **kw):
 
 @pytest.fixture(scope="module")
 def plain():
-    e = _engine(0)
+    # the reference: one lane bucket and one ride bucket, the fewest programs (the
+    # speculative engines run every bucket and must give these tokens)
+    e = _engine(0, lane_buckets=[4], ride_buckets=[16])
     return e.generate(PROMPTS, GREEDY), e.generate(PROMPTS, SAMPLED)
 
 
@@ -65,7 +67,12 @@ def test_random_depth_sequences_equal_plain_greedy_and_sampled(plain, seed, fill
     """Depth-0 steps as the stock step (MTP KV holes) or filling the MTP KV: both exact."""
     greedy, sampled = plain
     policy = RandomDepth(seed)
-    e = _engine(K, policy, depth0_fills_mtp_kv=fill)
+    # fill_mtp_kv is a static argument of every decode program, so the filling engine
+    # compiles a program set of its own: one lane bucket and one ride bucket for it (what it
+    # checks, the depth-0 fill and the deeper steps reading it, runs alike at every bucket;
+    # the other case runs every bucket)
+    buckets = dict(lane_buckets=[4], ride_buckets=[16]) if fill else {}
+    e = _engine(K, policy, depth0_fills_mtp_kv=fill, **buckets)
     outs = []
     for ref, sp in ((greedy, GREEDY), (sampled, SAMPLED)):
         outs += e.generate(PROMPTS, sp)

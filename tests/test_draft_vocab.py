@@ -32,19 +32,25 @@ from tiny_models import TP_CFG, TP_ENGINE_KW, TP_PARAMS, TP_PROMPTS, TP_SAMPLING
 
 RNG = np.random.default_rng(3)
 PROMPTS = [list(RNG.integers(0, 11, n)) for n in (3, 21, 9, 40, 1)]
-KW = dict(num_speculative_tokens=3, max_lanes=3, max_seq_len=96, prefill_chunk=16)
+# Lane buckets 1 and 3, not the default 1, 2, 3: bucket 2 runs the same code as bucket 1 (a
+# step over fewer lane slots than the engine has), one decode program less to compile for each
+# of the four engines (the greedy runs check both buckets ran).
+LANES = dict(max_lanes=3, max_seq_len=96, prefill_chunk=16, lane_buckets=[1, 3])
+KW = dict(num_speculative_tokens=3, **LANES)
 SUBSET = [0, 3, 5, 7, 9]          # 5 of 11 ids
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)
 SAMPLED = [SamplingParams(temperature=1.0, seed=7 + i, max_new_tokens=20) if i % 2 else
            SamplingParams(temperature=0.8, top_k=5, top_p=0.9, seed=7 + i, max_new_tokens=20)
            for i in range(len(PROMPTS))]
 _RUNS: dict = {}
+_PROGRAMS: dict = {}
 
 
 def run(draft, sp, key):
     if (str(draft), key) not in _RUNS:
         eng = Engine(CFG, PARAMS, draft_vocab=draft, **KW)
         _RUNS[(str(draft), key)] = eng.generate(PROMPTS, sp)
+        _PROGRAMS[(str(draft), key)] = set(eng.stats()["programs"])
     return _RUNS[(str(draft), key)]
 
 
@@ -62,9 +68,11 @@ def test_outputs_equal_with_and_without_a_draft_vocabulary(key):
     # the drafts did change (the test sees the draft head at all), and some still landed
     assert per_position(full) != per_position(small)
     assert sum(o.stats.accepted_tokens for o in small) > 0
+    if key == "greedy":     # both lane buckets ran (3 busy lanes, then 1: the greedy tails)
+        for draft in (None, SUBSET):
+            assert {("decode", 3, 1), ("decode", 3, 3)} <= _PROGRAMS[(str(draft), key)]
     # and both are the stock engine's
-    plain = Engine(CFG, PARAMS, num_speculative_tokens=0, max_lanes=3, max_seq_len=96,
-                   prefill_chunk=16).generate(PROMPTS, sp)
+    plain = Engine(CFG, PARAMS, num_speculative_tokens=0, **LANES).generate(PROMPTS, sp)
     assert [o.token_ids for o in plain] == [o.token_ids for o in small]
 
 

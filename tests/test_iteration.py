@@ -102,7 +102,9 @@ SAMPLED = [SamplingParams(temperature=0.9, top_k=6, seed=i, max_new_tokens=20)
 
 @pytest.fixture(scope="module")
 def plain():
-    e = _engine(0, prefix_cache=False)
+    # the reference: one lane bucket and one ride bucket, the fewest programs (the
+    # speculative engines run every bucket and must give these tokens)
+    e = _engine(0, prefix_cache=False, lane_buckets=[4], ride_buckets=[16])
     return ([o.token_ids for o in e.generate(PROMPTS, GREEDY)],
             [o.token_ids for o in e.generate(PROMPTS, SAMPLED)])
 
@@ -159,7 +161,8 @@ def test_the_policy_hears_each_lanes_acceptance_under_its_own_request():
     lane order is no longer request order. Each request's acceptance as the policy heard it
     must be the request's own (RequestStats)."""
     rec = Recorder()
-    e = _engine(speculation_policy=rec, max_lanes=3)
+    # 3 lanes in the 4 lane slots (and lane buckets) of the other engines here: their programs
+    e = _engine(speculation_policy=rec, max_lanes=3, lane_slots=4, lane_buckets=(1, 2, 4))
     params = [SamplingParams(max_new_tokens=n) for n in (4, 40, 40)]
     outs = e.generate(PROMPTS[:3], params)
     assert sum(o.stats.accepted_tokens for o in outs) > 0
@@ -186,7 +189,8 @@ def test_the_policy_prices_steps_carrying_a_chunk():
     for its depth and when its cost is reported (depth.AdaptiveDepth prices those apart);
     the engine used to withhold them."""
     seer = ChunkSeer()
-    e = _engine(speculation_policy=seer, max_lanes=2, prefix_cache=False)
+    # 2 lanes in the 4 lane slots of the other engines here: their programs
+    e = _engine(speculation_policy=seer, max_lanes=2, lane_slots=4, prefix_cache=False)
     e.generate(PROMPTS[:4], [SamplingParams(max_new_tokens=12)] * 4)
     assert e.timing["mixed_steps"] > 0
     rode = [c for c in seer.asked if c > 0]
@@ -222,8 +226,10 @@ def test_a_hot_system_prompt_survives_a_long_prompt():
     prompt (63 chunk ends, each an entry) goes through a store of 4 snapshot slots."""
     rng = np.random.default_rng(1)
     system = list(map(int, rng.integers(0, 11, 200)))
+    # one prefill bucket (the chunk): a program per bucket would only cost compiles here
     e = mtpjax.Engine(CFG, PARAMS, num_speculative_tokens=1, max_lanes=1, max_seq_len=4200,
-                      prefill_chunk=64, page_size=16, kernels="reference", prefix_snapshots=4)
+                      prefill_chunk=64, prefill_buckets=[64], page_size=16, kernels="reference",
+                      prefix_snapshots=4)
     sp = SamplingParams(max_new_tokens=2)
     user = lambda: list(map(int, rng.integers(0, 11, 30)))
     e.generate([system + user()], sp)

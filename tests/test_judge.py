@@ -21,9 +21,12 @@ from mtpjax import quant, sampling
 SMALL_LIMITS = gate.Limits(busy_page_use_floor=0.5)
 # K = 1 (not the default 4) keeps the decode programs the warm-up compiles to 2 per lane bucket
 # (deeper K: test_acceptance_detail_and_depth_sums_on_known_counts).
+# fidelity_lanes = 2 (not the default 16) fits the 2 lane slots, so the fidelity check runs on
+# the judge's engine shape (judge.fidelity) and reuses its prefill programs, as the default
+# judge does (16 lanes, 16 slots), instead of compiling those of two 16-lane engines of its own.
 SMALL = dict(passes=1, solo_requests=2, team_lanes=2, team_requests=4, busy_lanes=2, prompt_tokens=16,
              busy_requests=6, max_new_tokens=12, gate_prompts=8, fidelity_tokens=8,
-             progress=False, limits=SMALL_LIMITS, k=1)
+             fidelity_lanes=2, progress=False, limits=SMALL_LIMITS, k=1)
 # The smallest judge run (one workload): for checks that need an engine run, not the ratios.
 TINY = dict(SMALL, workloads=("solo",), solo_requests=1, gate_prompts=2, max_new_tokens=6,
             fidelity_tokens=2, lane_buckets=(1, 2))
@@ -312,11 +315,12 @@ def test_memory_check_fails_a_candidate_with_a_much_bigger_pool_on_a_gpu(peaky_c
     monkeypatch.setattr(jax, "devices", lambda *a: [_FakeGpu(d) for d in real_devices(*a)])
 
     def make_engine(cfg, params, jc, k, lanes, num_pages, shape, placed=None, **kw):
-        if not k:
-            return real_make(cfg, params, jc, k, lanes, num_pages, shape, placed=placed, **kw)
-        return mtpjax.Engine(cfg, params, num_speculative_tokens=k, max_lanes=lanes,
-                             max_seq_len=shape.max_seq_len, kernels=jc.kernels,
-                             page_size=jc.page_size, num_pages=4096, prefix_cache=False)
+        # the workload's candidate (adaptive; the fidelity check's engines run the fixed
+        # depth) gets a 4096-page pool; everything else keeps the judge's shapes, so only the
+        # big pool's programs compile (the rest are the earlier runs' in this module)
+        if k and jc.adaptive:
+            num_pages = 4096
+        return real_make(cfg, params, jc, k, lanes, num_pages, shape, placed=placed, **kw)
 
     monkeypatch.setattr(judge, "make_engine", make_engine)
     card = _run_solo(peaky_ckpt, tmp_path, limits=gate.Limits(memory_slack_mib=8.0))
@@ -338,11 +342,14 @@ def test_memory_check_counts_what_the_candidates_run_allocates(peaky_ckpt, tmp_p
             finally:
                 del scratch
 
-    def make_engine(cfg, params, jc, k, lanes, num_pages, shape, placed=None, **kw):
-        cls = Hoarder if k else mtpjax.Engine
-        return cls(cfg, params, num_speculative_tokens=k, max_lanes=lanes,
-                   max_seq_len=shape.max_seq_len, kernels=jc.kernels, page_size=jc.page_size,
-                   num_pages=num_pages, prefix_cache=False)
+    real_make = judge.make_engine
+
+    def make_engine(*a, **kw):
+        # the judge's own engine (its shapes: the earlier runs' programs), made a Hoarder
+        e = real_make(*a, **kw)
+        if e.k:
+            e.__class__ = Hoarder
+        return e
 
     monkeypatch.setattr(judge, "make_engine", make_engine)
     card = _run_solo(peaky_ckpt, tmp_path, limits=gate.Limits(memory_slack_mib=8.0))
@@ -420,7 +427,8 @@ def test_fidelity_vs_dense_is_exact_for_the_same_params_and_ignores_padding(peak
     """Texts of different lengths share a right-padded batch: the padded positions are left
     out and the real ones are what each text alone gives."""
     cfg, params = mtpjax.load_checkpoint(peaky_ckpt, "float32")
-    jc = judge.JudgeConfig(checkpoint=peaky_ckpt, **{**SMALL, "fidelity_tokens": 1000})
+    jc = judge.JudgeConfig(checkpoint=peaky_ckpt,
+                           **{**SMALL, "fidelity_tokens": 1000, "fidelity_lanes": 16})
     texts = judge.load_texts(judge._tokenizer(peaky_ckpt), jc)[:3]   # whole continuations
     f = judge.fidelity_vs_dense(cfg, params, params, texts, jc)
     lens = [len(p) + min(len(c), jc.fidelity_tokens) for p, c in texts]
@@ -439,7 +447,10 @@ def test_judge_with_fp8_weights_on_the_tiny_checkpoint(tmp_path):
     """--weights=fp8: stock and candidate both run the FP8 params (quantized at load) and the
     gate passes; the card's fp8 section compares them with the dense model and measures MTP
     acceptance with the head dense and FP8."""
-    jc = judge.JudgeConfig(checkpoint=TINY_CKPT, out_dir=str(tmp_path), weights="fp8", **TINY)
+    # one prefill chunk bucket (16: TINY's prompts are at most 16 tokens, so the 64-token
+    # bucket would only be compiled, once per k, for this 8-layer model, never run)
+    jc = judge.JudgeConfig(checkpoint=TINY_CKPT, out_dir=str(tmp_path), weights="fp8",
+                           **{**TINY, "prefill_buckets": (16,)})
     card = judge.run_judge(jc)
     assert card["reason"] is None, card["checks"]
     assert card["settings"]["weights"] == "fp8" and card["settings"]["mtp_weights"] == "auto"

@@ -8,9 +8,12 @@ from experiments import chat_workload, judge, judge_gate as gate
 from judge_fixtures import write_judge_checkpoint
 
 SPEC = chat_workload.ChatSpec(conversations=2, turns=2, system_tokens=32, user_tokens=8)
+# fidelity_lanes = 2: the fidelity check fits the engines' 2 lane slots (the chat workload's
+# team_lanes), so it runs on the judge's engine shape and reuses its prefill programs (as the
+# default judge does) instead of compiling those of two 16-lane engines of its own.
 TINY = dict(passes=1, workloads=("solo",), solo_requests=1, prompt_tokens=16, gate_prompts=2,
-            max_new_tokens=6, fidelity_tokens=2, progress=False, k=1, team_lanes=2,
-            limits=gate.Limits(busy_page_use_floor=0.5))
+            max_new_tokens=6, fidelity_tokens=2, fidelity_lanes=2, progress=False, k=1,
+            team_lanes=2, limits=gate.Limits(busy_page_use_floor=0.5))
 
 
 def test_build_shares_the_system_prompt_and_varies_the_messages():

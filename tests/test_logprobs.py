@@ -16,12 +16,16 @@ from tiny_models import VOCAB11_CFG as CFG, VOCAB11_PARAMS as PARAMS
 RNG = np.random.default_rng(3)
 PROMPTS = [list(map(int, RNG.integers(0, 11, n))) for n in (3, 21, 9, 1)]
 ENGINES = {}
+# Lane buckets 1 and 3, not the default 1, 2, 3: bucket 2 runs the same code as bucket 1 (a
+# step over fewer lane slots than the engine has), one decode program less to compile per
+# engine and depth. test_penalties' engines have the same shapes (they share the programs).
+LANE_BUCKETS = [1, 3]
 
 
 def engine(k):
     if k not in ENGINES:
         ENGINES[k] = mtpjax.Engine(CFG, PARAMS, num_speculative_tokens=k, max_lanes=3,
-                                   max_seq_len=96, prefill_chunk=16)
+                                   max_seq_len=96, prefill_chunk=16, lane_buckets=LANE_BUCKETS)
     return ENGINES[k]
 
 
@@ -54,6 +58,8 @@ def test_logprobs_spec_equals_plain_and_reference(k, sp):
     params = [dataclasses.replace(sp, seed=sp.seed + i) for i in range(len(PROMPTS))]
     plain, spec = engine(0).generate(PROMPTS, params), engine(k).generate(PROMPTS, params)
     assert sum(o.stats.accepted_tokens for o in spec) > 0, "no draft accepted"
+    for e in (engine(0), engine(k)):      # both lane buckets ran (3 busy lanes, then 1)
+        assert {("decode", e.k, 1), ("decode", e.k, 3)} <= set(e.stats()["programs"])
     for prompt, a, b in zip(PROMPTS, plain, spec):
         check_same(a, b, sp.logprobs)
         ref = reference_logprobs(prompt, a.token_ids)
@@ -105,7 +111,9 @@ def test_logit_bias_makes_greedy_pick_the_token():
     assert banned not in out.token_ids
 
 
-@pytest.mark.parametrize("k", [1, 3])
+# k = 2 and 3: the engines of the tests above (a k = 1 engine here was one more set of
+# programs to compile; one draft or a chain of them, the bias applies to the verify logits alike)
+@pytest.mark.parametrize("k", [2, 3])
 def test_logit_bias_sampled_spec_equals_plain(k):
     bias = {1: 3.0, 4: -2.5, 7: 1.5}
     params = [SamplingParams(temperature=1.0, seed=20 + i, max_new_tokens=16, logit_bias=bias,

@@ -1,9 +1,12 @@
 """Tensor and data parallelism on 8 host CPU devices (conftest sets the device count).
 
 Exactness: every tensor-parallel / data-parallel engine must emit exactly the one-device
-engine's tokens, greedy and seeded sampling, for k = 0..3 and tp in {2, 4, 8}, dp = 2: each k at
-tp = 2 (KV and GDN key heads split) and tp = 8 (both replicated, one q head a shard), k = 1 at
-tp = 4 too (replicated like tp = 8; only the shard sizes differ, which no k changes).
+engine's tokens, greedy and seeded sampling, for k = 0..3 and tp in {2, 4, 8}, dp = 2. The two
+layouts, tp = 2 (KV and GDN key heads split) and tp = 8 (both replicated, one q head a shard),
+each run k = 0 (no MTP), k = 1 (one draft) and a draft chain (k = 2 at tp = 2, k = 3 at tp = 8:
+a chain is the same sharded code at either depth); tp = 4 (replicated like tp = 8, only the
+shard sizes differ) runs in the two-lane test. Each engine compiles its own programs (compiling
+dominates these tests), so the matrix holds only the cases that differ in what they run.
 Row-parallel reductions sum float32 partial sums in another order than the one-device GEMM;
 on these models that never flips a token (measured: every sampled token agrees too), so the
 tests demand equality for both.
@@ -52,7 +55,7 @@ def test_eight_host_devices():
     assert len(jax.devices()) >= 8, "conftest should give the CPU 8 devices"
 
 
-@pytest.mark.parametrize("k,tps", [(0, (2, 8)), (1, (2, 4, 8)), (2, (2, 8)), (3, (2, 8))])
+@pytest.mark.parametrize("k,tps", [(0, (2, 8)), (1, (2, 8)), (2, (2,)), (3, (8,))])
 def test_tensor_parallel_matches_one_device(k, tps):
     ref = _reference(k)
     for tp in tps:

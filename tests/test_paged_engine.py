@@ -284,12 +284,15 @@ def test_warmup_compiles_everything_a_crowded_run_needs_and_changes_no_output():
     slot dirty and wrote no KV)."""
     from jax._src import dispatch, monitoring
     idx = list(range(30))
-    e = crowded(1, max_seq_len=SEQ - 4, prefill_buckets=(4, CHUNK))  # shapes of its own
+    # shapes of its own; two lane buckets (1 and all 8 lanes), not four: every one is a
+    # program per depth for warmup to compile, and two show it compiles each
+    e = crowded(1, max_seq_len=SEQ - 4, prefill_buckets=(4, CHUNK), lane_buckets=(1, 8))
     n = e.warmup()
-    # depths 0..1 x buckets 1..8, the same two depths with a chunk riding at each of the 2
+    # depths 0..1 x buckets 1, 8, the same two depths with a chunk riding at each of the 2
     # ride buckets (the page-size bucket and the chunk), 2 chunks, move, snapshots
     assert len(e.ride_buckets) == 2 and e.ride_buckets[-1] == CHUNK
-    assert n == 2 * 4 + 2 * 2 + 2 + 1 + 2
+    assert e.lane_buckets == (1, 8)
+    assert n == 2 * 2 + 2 * 2 + 2 + 1 + 2
     assert e.warmup() == 0
     compiled = []
 

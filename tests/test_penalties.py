@@ -21,7 +21,9 @@ from tiny_models import VOCAB11_CFG as CFG, VOCAB11_PARAMS as PARAMS
 RNG = np.random.default_rng(5)
 PROMPTS = [list(map(int, RNG.integers(0, 11, n))) for n in (3, 21, 9, 1)]
 PEN = dict(presence_penalty=0.7, frequency_penalty=0.4, repetition_penalty=1.5)
-ENGINE_KW = dict(max_lanes=3, max_seq_len=96, prefill_chunk=16)   # test_logprobs' shapes
+# test_logprobs' shapes, its lane buckets 1 and 3 too (bucket 2 ran the same code as bucket 1
+# with one more program per depth to compile: 3 more for the random depths alone)
+ENGINE_KW = dict(max_lanes=3, max_seq_len=96, prefill_chunk=16, lane_buckets=[1, 3])
 ENGINES = {}
 
 
@@ -87,6 +89,8 @@ def test_spec_equals_plain_and_reference(sp):
     policy = RandomDepth(11)
     rand = engine(3, speculation_policy=policy).generate(PROMPTS, ps)
     assert policy.seen == {0, 1, 2, 3}
+    for e in (engine(0), engine(3)):      # both lane buckets ran (3 busy lanes, then 1)
+        assert {("decode", e.k, 1), ("decode", e.k, 3)} <= set(e.stats()["programs"])
     assert sum(o.stats.accepted_tokens for o in fixed + rand) > 0, "no draft accepted"
     for prompt, p, a, b, c in zip(PROMPTS, ps, plain, fixed, rand):
         assert a.finish_reason == "length"
@@ -139,7 +143,7 @@ def test_penalties_add_no_program():
     e.warmup()
     plan = e.stats()["programs"]
     traced = steps.decode_step._cache_size()   # in memory: a persistent-cache hit counts too
-    assert traced >= 3                          # lane buckets 1..3 at depth 0, at least
+    assert traced >= 3                          # lane buckets 1, 3 and a mixed step, depth 0
     compiled = []
 
     def on_compile(event, _secs, fun_name=None, **_):

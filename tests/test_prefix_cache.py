@@ -271,7 +271,11 @@ def run_chat(e, seed, turns=2, sampled=False):
     return outs
 
 
-@pytest.mark.parametrize("k,sampled", [(0, False), (1, True), (2, False), (3, True)])
+# Each k compiles a program set of its own. k = 0 (the next token is not part of the key),
+# k = 2 greedy (also the shapes of the page-pressure test below) and k = 3 sampled: k = 1
+# sampled ran here too, the path of k = 3 (a key with the next token, the MTP KV of the last
+# cached position, seeded sampling across a restore) with fewer drafts.
+@pytest.mark.parametrize("k,sampled", [(0, False), (2, False), (3, True)])
 def test_engine_outputs_equal_with_and_without_the_cache(k, sampled):
     off = run_chat(engine(k, False), seed=k, sampled=sampled)
     e = engine(k, True)
@@ -290,10 +294,14 @@ def test_engine_outputs_equal_with_and_without_the_cache(k, sampled):
 def test_engine_cache_under_page_pressure_evicts_and_preempts_exactly():
     k = 2
     # a lane at full context needs 17 pages: 16 in the pool make the cache give pages back
-    # and the scheduler preempt
-    kw = dict(num_pages=16, prefix_snapshots=3)
-    off = run_chat(engine(k, False, num_pages=20), seed=5, turns=3)
-    e = engine(k, True, **kw)
+    # and the scheduler preempt. The allocator hands out 16 pages of a device pool of the
+    # default shape (pool_pages), so both engines run the programs the k = 2 case of
+    # test_engine_outputs_equal_with_and_without_the_cache compiled (an unpressured
+    # reference, as there)
+    ref = engine(k, False)
+    off = run_chat(ref, seed=5, turns=3)
+    e = engine(k, True, num_pages=16, pool_pages=ref.pool_pages, prefix_snapshots=3)
+    assert e.num_pages == 16 and e.alloc.free_pages == 16
     on = run_chat(e, seed=5, turns=3)
     assert on == off
     pc = e.stats()["prefix_cache"]
@@ -363,7 +371,8 @@ def test_tensor_parallel_snapshots_restore_per_shard():
     sp = SamplingParams(max_new_tokens=6)
     outs = {}
     for tp in (1, 2):
-        e = Engine(TP_CFG, TP_PARAMS, tp=tp, **kw)
+        # the one-device reference in one lane bucket (fewer programs); tp = 2 runs both
+        e = Engine(TP_CFG, TP_PARAMS, tp=tp, **kw, **({"lane_buckets": [2]} if tp == 1 else {}))
         first = e.generate(prompts, sp)
         second = e.generate([p + o.token_ids + [1, 2] for p, o in zip(prompts, first)], sp)
         outs[tp] = [o.token_ids for o in first + second]
