@@ -754,8 +754,12 @@ class Engine:
                     drafts[r.lane, :k] = fixed
                     changed = True
         if changed:        # the corrected drafts are the ones the step verifies
-            self.state = dataclasses.replace(
-                self.state, drafts=jax.device_put(drafts, self.state.drafts.sharding))
+            # placed as the state's drafts are, committed or not: a committed copy of an
+            # uncommitted state (one device) is another program input, so the step and every
+            # program after it (the state flows through them) compiled again after warmup
+            old = self.state.drafts
+            self.state = dataclasses.replace(self.state, drafts=(
+                jax.device_put(drafts, old.sharding) if old.committed else jnp.asarray(drafts)))
         return jnp.asarray(masks)
 
     # ---------------------------------------------------------------- pieces

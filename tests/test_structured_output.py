@@ -234,6 +234,13 @@ def test_constrained_requests_add_no_program(tok):
     outs = e.generate(prompts, mixed)
     assert steps.decode_step._cache_size() == before
     assert tok.decode(outs[0].token_ids).startswith("{")
+    # the masked drafts' corrections (written to the lane state by the host) keep the state
+    # placed as the engine's programs were compiled for: committed or not is part of a
+    # program's key, and a committed state after warmup recompiled every program it flows
+    # through (measured: 4 decode_step compiles on a warmed engine's first constrained run)
+    fresh = mtpjax.Engine(e.cfg, e.params, num_speculative_tokens=K, **ENGINE).state
+    assert ([x.committed for x in jax.tree.leaves(e.state)]
+            == [x.committed for x in jax.tree.leaves(fresh)])
 
 
 def test_grammar_errors():
