@@ -9,7 +9,7 @@ import pytest
 
 from mtpjax.serving.chat_template import ChatTemplate, load_chat_template
 from mtpjax.serving.parsing import ServerLimits, parse_chat, parse_completion
-from mtpjax.serving.protocol import NOT_SUPPORTED, APIError, ChatCompletionRequest, \
+from mtpjax.serving.protocol import IGNORED, NOT_SUPPORTED, APIError, ChatCompletionRequest, \
     CompletionRequest
 from mtpjax.text import Tokenizer, apply_chat_template
 
@@ -177,7 +177,10 @@ def test_chat_content_parts_and_tool_history(tok, template):
                                              "top_logprobs"),
     ({"logit_bias": {"1": 500}}, "logit_bias"), ({"logit_bias": {"x": 5}}, "logit_bias"),
     ({"logit_bias": {"300": 5}}, "logit_bias"),
-    ({"user": "bob"}, "user"), ({"parallel_tool_calls": 1}, "parallel_tool_calls"),
+    ({"user": 5}, "user"), ({"metadata": {"a": 1}}, "metadata"), ({"store": "yes"}, "store"),
+    ({"service_tier": "fastest"}, "service_tier"),
+    ({"chat_template_kwargs": {"enable_thinkng": False}}, "chat_template_kwargs"),
+    ({"parallel_tool_calls": 1}, "parallel_tool_calls"),
     ({"min_p": 0.1}, "min_p"), ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"reasoning_effort": "low"}, "reasoning_effort"), ({"made_up": 1}, "made_up"),
 ])
@@ -246,5 +249,27 @@ def test_every_declared_field_is_implemented_or_no_op_only():
                    "repetition_penalty"}
     no_op_only = {"echo", "best_of"}
     declared = set(ChatCompletionRequest.model_fields) | set(CompletionRequest.model_fields)
-    assert declared == implemented | no_op_only
+    assert declared == implemented | no_op_only | IGNORED
     assert not declared & NOT_SUPPORTED
+
+
+IGNORED_FIELDS = {"user": "u-17", "safety_identifier": "s-1", "metadata": {"team": "eval"},
+                  "store": False, "service_tier": "auto", "prompt_cache_key": "conv-3"}
+
+
+def test_harmless_openai_fields_are_accepted_and_change_nothing(tok, template):
+    """user, metadata, store, ... (protocol.IGNORED) are accepted on both routes and the
+    request is the one without them; README lists them."""
+    assert set(IGNORED_FIELDS) == IGNORED
+    with_fields = chat(tok, template, seed=1, **IGNORED_FIELDS)
+    assert with_fields == chat(tok, template, seed=1)
+    assert completion(tok, seed=1, **IGNORED_FIELDS) == completion(tok, seed=1)
+    readme = open(os.path.join(REPO, "README.md"), encoding="utf-8").read()
+    assert all(f"`{name}`" in readme for name in IGNORED), "README lists the ignored fields"
+
+
+def test_unknown_template_kwargs_are_refused_by_name(tok, template):
+    e = refused(lambda: chat(tok, template, chat_template_kwargs={"enable_thinking": False,
+                                                                  "thinking_budget": 5}),
+                "chat_template_kwargs")
+    assert "thinking_budget" in e.message and "enable_thinking" in e.message, e.message

@@ -81,6 +81,15 @@ class ChatTemplate:
         variables = dict(variables or {})
         if self.source is None:
             return render_fallback(messages, add_generation_prompt, tools, variables)
+        # a variable the template never reads would be dropped without a word (a client's
+        # typo, or a kwarg meant for another model's template): refuse it by name
+        unknown = set(variables) - RESERVED - template_variables(self.source)
+        if unknown:
+            known = sorted(template_variables(self.source) - RESERVED - set(self.special_tokens))
+            raise TemplateVariableError(
+                f"the chat template ({self.origin}) reads no variable "
+                f"{', '.join(repr(u) for u in sorted(unknown))}; it reads "
+                f"{', '.join(repr(k) for k in known) or 'none'}")
         return render_jinja(self.source, messages, add_generation_prompt, tools,
                             variables={**self.special_tokens, **variables})
 
@@ -153,6 +162,16 @@ def compile_template(source: str):
         return env.from_string(source)
     except jinja2.exceptions.TemplateSyntaxError as e:
         raise ChatTemplateError(f"the chat template does not compile: {e}") from e
+
+
+@functools.lru_cache(maxsize=8)
+def template_variables(source: str) -> frozenset[str]:
+    """The variables a template reads from its context (Jinja's undeclared variables: what
+    a caller may set), less the globals this module provides."""
+    from jinja2 import meta
+    env = compile_template(source).environment
+    names = meta.find_undeclared_variables(env.parse(source))
+    return frozenset(names) - set(env.globals)
 
 
 def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict]:

@@ -32,14 +32,23 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 # OpenAI (and vLLM) request fields this server knows of but does not implement: refused with
 # "not supported" rather than "unknown". Any other extra field is refused as unknown.
 NOT_SUPPORTED = frozenset({
-    "audio", "function_call", "functions", "metadata", "modalities",
-    "prediction", "reasoning_effort", "service_tier",
-    "store", "suffix", "user", "web_search_options", "verbosity",
-    "prompt_cache_key", "safety_identifier", "min_p", "min_tokens",
+    "audio", "function_call", "functions", "modalities",
+    "prediction", "reasoning_effort",
+    "suffix", "web_search_options", "verbosity",
+    "min_p", "min_tokens",
     "ignore_eos", "stop_token_ids", "include_stop_str_in_output", "guided_json", "guided_regex",
     "guided_choice", "guided_grammar", "structured_outputs", "name", "continuous_usage_stats",
     "documents", "chat_template", "add_generation_prompt", "continue_final_message",
 })
+
+
+# OpenAI request fields that change nothing a self-hosted server returns: accepted (typed as
+# OpenAI types them) and ignored, as vLLM does. `user` / `safety_identifier`: an end-user id
+# for OpenAI's abuse monitoring; `metadata` / `store`: OpenAI's stored completions;
+# `service_tier`: OpenAI's processing tier; `prompt_cache_key`: OpenAI's cache routing hint
+# (this server's prefix cache keys on the tokens). README lists them.
+IGNORED = frozenset({"user", "safety_identifier", "metadata", "store", "service_tier",
+                     "prompt_cache_key"})
 
 
 @dataclasses.dataclass
@@ -267,6 +276,14 @@ class _Sampling(_Strict):
                                             description="a number in [-2, 2]")
     repetition_penalty: float | None = Field(None, gt=0.0, allow_inf_nan=False,
                                              description="a finite number > 0")
+    # accepted and ignored (IGNORED): OpenAI's types, so a malformed one is still a 400
+    user: str | None = Field(None, description="a string")
+    safety_identifier: str | None = Field(None, description="a string")
+    metadata: dict[str, str] | None = Field(None, description="an object of string values")
+    store: bool | None = Field(None, description="a boolean")
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = Field(
+        None, description="one of 'auto', 'default', 'flex', 'scale', 'priority'")
+    prompt_cache_key: str | None = Field(None, description="a string")
 
     @field_validator("stop", mode="before")
     @classmethod
