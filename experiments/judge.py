@@ -44,6 +44,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import time
 from functools import partial
 
@@ -1202,3 +1203,8 @@ def main(argv):
     card = run_judge(jc)
     print(card_lib.render_md(card))
     print(f"card written to {os.path.abspath(jc.out_dir)}")
+    if card["reason"] is not None:
+        # a failed gate is a failed run: scripts and CI see it in the exit status
+        print(f"gate: FAIL ({card['reason']})", file=sys.stderr)
+        return 1
+    return 0

@@ -61,3 +61,17 @@ def test_greedy_floor_by_dtype_and_unknown_dtypes():
     assert gate.greedy_floor(gate.Limits(greedy_agreement_floor=0.0), "float32") == 0.0
     with pytest.raises(ValueError, match="dtype must be one of"):
         gate.greedy_floor(gate.Limits(), "float16")
+
+
+@pytest.mark.parametrize("reason, status", [(None, 0), ("fidelity", 1), ("busy_page_use", 1)])
+def test_the_main_job_exits_non_zero_when_its_gate_fails(monkeypatch, capsys, reason, status):
+    """`python -m experiments` returns its gate's verdict as the exit status (absl's app.run
+    exits with main's return value), so CI and scripts see a failed gate."""
+    from experiments import judge
+    card = {"reason": reason}
+    monkeypatch.setattr(judge, "_from_flags", lambda: judge.JudgeConfig(out_dir="unused"))
+    monkeypatch.setattr(judge, "run_judge", lambda jc: card)
+    monkeypatch.setattr(judge.card_lib, "render_md", lambda c: "card")
+    assert judge.main(["experiments"]) == status
+    if reason is not None:
+        assert f"gate: FAIL ({reason})" in capsys.readouterr().err
