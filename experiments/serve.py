@@ -51,6 +51,13 @@ flags.DEFINE_boolean("warmup", True, "compile every program a run can launch bef
                      "(Engine.warmup: every depth and lane bucket, every prefill chunk bucket, "
                      "lane moves, snapshots), so no request waits on a compile")
 flags.DEFINE_string("log_level", "warning", "uvicorn log level")
+flags.DEFINE_integer("max_consecutive_failures", 3, "engine steps failed in a row after which "
+                     "the server takes no work (503, /health 503 'unavailable') and probes "
+                     "until a step completes")
+flags.DEFINE_float("probe_interval_s", 1.0, "seconds between probes while the breaker is open")
+flags.DEFINE_string("fault_injection", "", "TEST AID, off by default: 'fail_steps:A-B' makes "
+                    "engine steps A..B (counted from 1 at the first step after warm-up) fail "
+                    "as a device fault would")
 
 
 def config_of(f=FLAGS) -> ServerConfig:
@@ -63,7 +70,9 @@ def config_of(f=FLAGS) -> ServerConfig:
         prefill_buckets=tuple(int(b) for b in f.prefill_buckets) if f.prefill_buckets else None,
         page_size=f.page_size, num_pages=f.num_pages, prefix_cache=f.prefix_cache,
         dtype=f.dtype, kernels=f.kernels, tp=f.tp, dp=f.dp, weights=f.weights,
-        mtp_weights=f.mtp_weights, warmup=f.warmup)
+        mtp_weights=f.mtp_weights, warmup=f.warmup,
+        max_consecutive_failures=f.max_consecutive_failures,
+        probe_interval_s=f.probe_interval_s, fault_injection=f.fault_injection)
 
 
 def warmup_with_progress(engine) -> None:

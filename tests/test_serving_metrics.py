@@ -33,7 +33,7 @@ def stats(**kw) -> OnlineStats:
 COUNTERS = ["mtpjax_requests_finished", "mtpjax_prompt_tokens", "mtpjax_generation_tokens",
             "mtpjax_verify_steps", "mtpjax_draft_tokens", "mtpjax_accepted_tokens",
             "mtpjax_draft_accepted", "mtpjax_draft_tried", "mtpjax_engine_errors",
-            "mtpjax_device_rebuilds",
+            "mtpjax_device_rebuilds", "mtpjax_breaker_opens", "mtpjax_breaker_probes",
             "mtpjax_decode_step_seconds", "mtpjax_decode_steps", "mtpjax_decode_steps_by_depth",
             "mtpjax_prefill_seconds", "mtpjax_prefill_chunks", "mtpjax_preemptions",
             "mtpjax_prefix_cache_lookups", "mtpjax_prefix_cache_hits",
@@ -44,7 +44,8 @@ GAUGES = ["mtpjax_requests_running", "mtpjax_requests_waiting", "mtpjax_tokens_p
           "mtpjax_prefix_cache_snapshots", "mtpjax_prefix_cache_snapshot_slots",
           "mtpjax_prefix_cache_snapshot_slots_free", "mtpjax_prefix_cache_snapshots_pending",
           "mtpjax_prefix_cache_cached_pages", "mtpjax_prefix_cache_hit_rate",
-          "mtpjax_prefix_cache_reused_fraction"]
+          "mtpjax_prefix_cache_reused_fraction", "mtpjax_consecutive_step_failures",
+          "mtpjax_breaker_open"]
 
 
 def scrape(st: OnlineStats, accept: str | None = None):

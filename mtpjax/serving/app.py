@@ -3,7 +3,8 @@
 
 Routes: `POST /v1/chat/completions` and `POST /v1/completions` (streaming with SSE, or not),
 `GET /v1/models`, `GET /health` (200 "ok"; 503 "rebuilding" while the engine re-creates its
-device state after a failed step, 503 "engine stopped"), `GET /metrics` (prometheus_client;
+device state after a failed step, 503 "unavailable" while the breaker is open after
+consecutive failed steps (faults.py), 503 "engine stopped"), `GET /metrics` (prometheus_client;
 `metrics`).
 
 Request flow:
@@ -44,6 +45,7 @@ from fastapi import Request   # at module level: FastAPI resolves the handlers' 
 
 from mtpjax.serving import metrics as metrics_lib
 from mtpjax.serving.chat_template import ChatTemplate, load_chat_template
+from mtpjax.serving.faults import BreakerConfig, FaultInjection, Unavailable
 from mtpjax.serving.online import OnlineEngine, RequestHandle
 from mtpjax.serving.parsing import ParsedRequest, ServerLimits, parse_chat, parse_completion
 from mtpjax.serving.protocol import APIError
@@ -296,15 +298,22 @@ async def _started(online: OnlineEngine, req: ParsedRequest) -> list[RequestHand
     the other siblings cancelled)."""
     if not online.alive:
         raise APIError("the engine is not running", status=503, type="server_error")
-    handles = [online.add(req.prompt_ids, p, stop=req.stop,
-                          skip_special_tokens=req.skip_special_tokens)
-               for p in req.sibling_params()]
+    try:
+        handles = [online.add(req.prompt_ids, p, stop=req.stop,
+                              skip_special_tokens=req.skip_special_tokens)
+                   for p in req.sibling_params()]
+    except Unavailable as e:
+        raise APIError(f"server unavailable: {e}", status=503, type="server_error",
+                       code="service_unavailable") from None
     for h in handles:
         rejected = await h.wait_queued()
         if rejected is not None:
             for other in handles:
                 other.cancel()
             msg = rejected.error or "rejected"
+            if msg.startswith("server unavailable"):    # the breaker opened while it queued
+                raise APIError(msg, status=503, type="server_error",
+                               code="service_unavailable")
             code = "context_length_exceeded" if msg.startswith("prompt too long") else None
             raise APIError(msg, None, code)
     return handles
@@ -432,6 +441,9 @@ def build_app(server: Server):
             return JSONResponse({"status": "rebuilding", "detail": "re-creating the device "
                                  "state after a failed engine step; requests wait"},
                                 status_code=503)
+        if state == "unavailable":
+            return JSONResponse({"status": "unavailable", "detail": online.unavailable_reason},
+                                status_code=503)
         body = {"status": "engine stopped"}
         if online.fatal_error is not None:
             body["detail"] = f"{type(online.fatal_error).__name__}: {online.fatal_error}"
@@ -467,6 +479,9 @@ class ServerConfig:
     weights: str = "auto"
     mtp_weights: str = "auto"
     warmup: bool = True
+    max_consecutive_failures: int = 3       # failed steps in a row that open the breaker
+    probe_interval_s: float = 1.0           # how often the open breaker probes
+    fault_injection: str = ""               # test aid: "fail_steps:A-B" (faults.FaultInjection)
 
 
 def load_server(cfg: ServerConfig, warmup: Callable[[Any], None] | None = None) -> Server:
@@ -506,5 +521,10 @@ def load_server(cfg: ServerConfig, warmup: Callable[[Any], None] | None = None) 
     if cfg.warmup:
         (warmup or (lambda e: e.warmup()))(engine)
     name = cfg.served_model_name or os.path.basename(os.path.normpath(path))
-    online = OnlineEngine(engine, tok).start()
+    try:
+        breaker = BreakerConfig(cfg.max_consecutive_failures, cfg.probe_interval_s)
+        faults = FaultInjection.parse(cfg.fault_injection)
+    except ValueError as e:
+        raise SystemExit(str(e))
+    online = OnlineEngine(engine, tok, breaker=breaker, fault_injection=faults).start()
     return Server(online, tok, ServerLimits(name, model_cfg.vocab_size, max_seq_len), template)

@@ -138,6 +138,13 @@ def families(st: OnlineStats, model: str) -> list[Metric]:
         _counter("mtpjax_engine_errors", "Engine steps that raised.", model, st.engine_errors),
         _counter("mtpjax_device_rebuilds", "Device state re-created after a failed engine "
                  "step.", model, st.device_rebuilds),
+        _gauge("mtpjax_consecutive_step_failures", "Engine steps failed in a row (0 after one "
+               "completes).", model, st.consecutive_failures),
+        _gauge("mtpjax_breaker_open", "1 while the server takes no work after consecutive "
+               "failed steps (probing), else 0.", model, int(st.breaker_open)),
+        _counter("mtpjax_breaker_opens", "Times the breaker opened.", model, st.breaker_opens),
+        _counter("mtpjax_breaker_probes", "Probe requests run while the breaker was open.",
+                 model, st.probes),
         *_engine(st.engine, model),
     ]
 

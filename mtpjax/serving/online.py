@@ -22,7 +22,10 @@ programs donate the device buffers, so the engine's device state is re-created
 session opens, and the requests that were only waiting in the queue go into it and finish
 normally. Meanwhile `health` is "rebuilding" (the server's /health answers 503). A detokenizer
 error ends only its own request. If the device state cannot be rebuilt, the loop stops: every
-request left ends with an error and `health` is "stopped".
+request left ends with an error and `health` is "stopped". A fault that persists opens the
+breaker after `max_consecutive_failures` failed steps in a row (faults.py): `health` is
+"unavailable", queued requests end "error", `add` raises `faults.Unavailable`, and the loop
+probes every `probe_interval_s` with a one-token request of its own until one completes.
 
 Requests are token-identical to `Engine.generate` for the same prompt and SamplingParams:
 the sampler draws each token from (seed, position) only, whatever the batch or arrival time.
@@ -43,6 +46,7 @@ from typing import Sequence
 from mtpjax.engine import (FINISH_CANCELLED, FINISH_ERROR, FINISH_LENGTH, FINISH_STOP, Engine,
                            RequestOutput, RequestStats)
 from mtpjax.sampling import SamplingParams
+from mtpjax.serving.faults import BreakerConfig, FaultInjection, InjectedFault, Unavailable
 
 # Upper bounds (seconds) of the histogram of engine iterations (one Engine.step each).
 ITERATION_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -294,6 +298,10 @@ class OnlineStats:
         default_factory=lambda: [0] * len(ITERATION_BUCKETS))   # counts per bucket (not cumulative)
     engine_errors: int = 0
     device_rebuilds: int = 0               # device state re-created after a failed step
+    consecutive_failures: int = 0          # failed engine steps since the last that completed
+    breaker_open: bool = False             # taking no work until a probe completes
+    breaker_opens: int = 0                 # times the breaker opened
+    probes: int = 0                        # probe requests run while it was open
     engine: dict = dataclasses.field(default_factory=dict)      # Engine.stats() snapshot
 
     @property
@@ -321,12 +329,15 @@ class OnlineEngine:
     tokenizer: a `text.Tokenizer` (or None: deltas carry ids only, stop strings unavailable);
     skip_special_tokens: the default of `add`. rebuild_attempts, rebuild_backoff_s: how often
     the device state is re-created after a failed step before the loop gives up, and the
-    first pause between tries (doubling). Use as a context manager or call start() and
+    first pause between tries (doubling). breaker: when to stop taking work after failed
+    steps, and how often to probe (faults.BreakerConfig); fault_injection: a test aid
+    (faults.FaultInjection, None = off). Use as a context manager or call start() and
     shutdown()."""
 
     def __init__(self, engine: Engine, tokenizer=None, skip_special_tokens: bool = True,
                  stats_interval_s: float = 0.05, rebuild_attempts: int = 5,
-                 rebuild_backoff_s: float = 0.1):
+                 rebuild_backoff_s: float = 0.1, breaker: BreakerConfig = BreakerConfig(),
+                 fault_injection: FaultInjection | None = None):
         if not hasattr(engine, "submit"):
             raise ValueError(f"{type(engine).__name__} has no continuous sessions (start / "
                              "submit / step); the online engine needs one Engine (dp = 1)")
@@ -336,6 +347,9 @@ class OnlineEngine:
         if rebuild_attempts < 1:
             raise ValueError(f"rebuild_attempts must be >= 1, got {rebuild_attempts}")
         self.rebuild_attempts, self.rebuild_backoff_s = int(rebuild_attempts), rebuild_backoff_s
+        self.breaker, self.fault_injection = breaker, fault_injection
+        self._broken: str | None = None       # why the breaker is open (None: closed)
+        self._steps_run = 0                    # engine steps tried (fault_injection counts them)
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._pending: list[RequestHandle] = []
@@ -387,11 +401,20 @@ class OnlineEngine:
     @property
     def health(self) -> str:
         """"ok" (serving), "rebuilding" (re-creating the device state after a failed step: new
-        requests wait until it is done) or "stopped" (shut down, never started, or the device
-        state could not be rebuilt: see fatal_error)."""
+        requests wait until it is done), "unavailable" (the breaker is open after
+        max_consecutive_failures failed steps: see `unavailable_reason`; new requests are
+        refused until a probe completes) or "stopped" (shut down, never started, or the
+        device state could not be rebuilt: see fatal_error)."""
         if not self.alive:
             return "stopped"
+        if self._broken is not None:
+            return "unavailable"
         return "rebuilding" if self._rebuilding else "ok"
+
+    @property
+    def unavailable_reason(self) -> str | None:
+        """Why the breaker is open (None while it is closed)."""
+        return self._broken
 
     @property
     def ready(self) -> bool:
@@ -412,6 +435,8 @@ class OnlineEngine:
         StopStringCutter(stop)                  # checks them
         if not self.alive:
             raise RuntimeError("the online engine is not running (start() it)")
+        if self._broken is not None:
+            raise Unavailable(self._broken)
         skip = self.skip_special_tokens if skip_special_tokens is None else skip_special_tokens
         with self._lock:
             if self._stopping:
@@ -472,7 +497,14 @@ class OnlineEngine:
             for rid in cancels:
                 if rid in self._live:
                     eng.cancel(rid)
-            if eng.has_work():
+            if self._broken is not None:       # take no work; probe now and then
+                for rid in sorted(self._live):
+                    self._fail_unavailable(rid)
+                self._take_snapshot(force=True)
+                if not self._wake.wait(self.breaker.probe_interval_s):
+                    self._probe()
+                self._wake.clear()
+            elif eng.has_work():
                 self._iterate()
                 self._take_snapshot(force=not eng.has_work())
             else:
@@ -524,14 +556,74 @@ class OnlineEngine:
             return str(e)
         return None if err is None else err.error
 
+    def _step(self) -> dict:
+        """One engine step, or the injected fault in its place (FaultInjection)."""
+        self._steps_run += 1
+        fi = self.fault_injection
+        if fi is not None and fi.fails(self._steps_run):
+            raise InjectedFault(f"injected device fault (fault_injection fail_steps:"
+                                f"{fi.first}-{fi.last}, engine step {self._steps_run})")
+        return self.engine.step()
+
+    def _failed(self, e: Exception) -> None:
+        """A step raised: fail what it held, rebuild, and open the breaker after
+        max_consecutive_failures in a row."""
+        s = self._stats
+        s.engine_errors += 1
+        s.consecutive_failures += 1
+        self._recover(e)
+        if self._broken is None and \
+                s.consecutive_failures >= self.breaker.max_consecutive_failures:
+            self._broken = (f"{s.consecutive_failures} consecutive engine steps failed (the "
+                            f"last: {type(e).__name__}: {e}); probing every "
+                            f"{self.breaker.probe_interval_s:g} s")
+            s.breaker_open, s.breaker_opens = True, s.breaker_opens + 1
+            with self._lock:                   # queued, not yet submitted: refused too
+                pending, self._pending = self._pending, []
+            for h in pending:
+                self._end(h, None, FINISH_ERROR, f"server unavailable: {self._broken}")
+            for rid in sorted(self._live):
+                self._fail_unavailable(rid)
+
+    def _completed(self) -> None:
+        """A step completed: the failure count restarts, an open breaker closes."""
+        s = self._stats
+        s.consecutive_failures = 0
+        if self._broken is not None:
+            self._broken, s.breaker_open = None, False
+
+    def _fail_unavailable(self, rid: int) -> None:
+        h, ts = self._live.pop(rid)
+        self.engine.cancel(rid)
+        self._end(h, None, FINISH_ERROR, f"server unavailable: {self._broken}", ts)
+
+    def _probe(self) -> None:
+        """While the breaker is open: one greedy one-token request of the loop's own (never
+        published), stepped until it ends. Completing it closes the breaker; a failed step
+        counts, is recovered from (device state rebuilt) and leaves it open."""
+        eng = self.engine
+        self._stats.probes += 1
+        rid = next(self._ids)
+        if eng.submit(rid, [0], SamplingParams(max_new_tokens=1)) is not None:
+            return                             # refused (cannot happen for a valid engine)
+        while True:
+            try:
+                done = self._step()
+            except Exception as e:  # noqa: BLE001 - still broken: rebuilt, probed again later
+                self._failed(e)
+                return
+            if rid in done:
+                self._completed()
+                return
+
     def _iterate(self) -> None:
         t0 = time.perf_counter()
         try:
-            done = self.engine.step()
+            done = self._step()
         except Exception as e:  # noqa: BLE001 - fail the requests it held, keep serving the rest
-            self._stats.engine_errors += 1
-            self._recover(e)
+            self._failed(e)
             return
+        self._completed()
         dt = time.perf_counter() - t0
         s = self._stats
         s.iterations += 1
