@@ -28,7 +28,8 @@ from mtpjax.engine import Engine
 from mtpjax.sampling import SamplingParams
 from mtpjax.tensor_parallel import ShardingError
 from test_mtp_reference import mtp_reference
-from tiny_models import TP_CFG, TP_PARAMS, VOCAB11_CFG, VOCAB11_PARAMS
+from tiny_models import (TP_CFG, TP_PARAMS, VOCAB11_CFG, VOCAB11_PARAMS,
+                         assert_drafts_accepted_and_rejected)
 
 # Odd sizes: hidden 136 and intermediate 200 leave partial 128-blocks on both axes; the k/v
 # projections (64 rows) end inside a block, so the fused qkv leaf gets per-row scales while
@@ -184,11 +185,16 @@ def test_speculative_equals_plain_with_fp8():
                                                             seed=3),
           SamplingParams(max_new_tokens=12, temperature=0.8, top_k=5, top_p=0.9, seed=1)]
     kw = FP8_KW
-    run = lambda params, k, kernels="reference", lanes=2: [o.token_ids for o in Engine(
+    outs = lambda params, k, kernels="reference", lanes=2: Engine(
         VOCAB11_CFG, params, num_speculative_tokens=k, kernels=kernels,
-        **dict(kw, max_lanes=lanes)).generate(prompts, sp)]
+        **dict(kw, max_lanes=lanes)).generate(prompts, sp)
+    run = lambda *a, **k: [o.token_ids for o in outs(*a, **k)]
     plain = run(qp, 0)
-    assert run(qp, 3) == plain
+    spec = outs(qp, 3)
+    assert [o.token_ids for o in spec] == plain
+    # a random head: drafts accepted and rejected (1 of 30 measured, none past position 1;
+    # test_trained_head_fp8_spec_equals_plain below runs past it)
+    assert_drafts_accepted_and_rejected(spec, past=0)
     assert run(qp, 2, "interpret", lanes=1) == plain
     assert run(VOCAB11_PARAMS, 0, lanes=1) != plain   # the FP8 model is another model: not vacuous
 
@@ -278,3 +284,26 @@ def test_fp8_data_parallel_replicas():
     one = [o.token_ids for o in Engine(VOCAB11_CFG, qp, **kw).generate(prompts, sp)]
     dp = make_engine(VOCAB11_CFG, qp, tp=1, dp=2, devices=jax.devices()[:2], **kw)
     assert [o.token_ids for o in dp.generate(prompts, sp)] == one
+
+
+def test_trained_head_fp8_spec_equals_plain():
+    """The trained tiny quantized to FP8 at load (target and head): its drafts land past the
+    first position, so partial acceptance and multi-token replay run through the FP8 matmuls;
+    greedy and seeded sampling equal plain FP8 decoding. One lane: one decode program per
+    depth."""
+    from mtpjax.text import Tokenizer
+    ckpt = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "checkpoints", "tiny")
+    tok = Tokenizer.from_checkpoint(ckpt)
+    prompts = [tok.encode(t) for t in ("Once upon a time, there was a little girl named",
+                                       "The dog ran to the park and")]
+    sp = [SamplingParams(max_new_tokens=24), SamplingParams(max_new_tokens=24, temperature=0.8,
+                                                            seed=5)]
+    kw = dict(weights="fp8", mtp_weights="fp8", max_lanes=1, max_seq_len=64, prefill_chunk=16,
+              prefill_buckets=[16])
+    plain = Engine.from_checkpoint(ckpt, num_speculative_tokens=0, **kw).generate(prompts, sp)
+    eng = Engine.from_checkpoint(ckpt, num_speculative_tokens=3, **kw)
+    assert quant.has_fp8(eng.params)
+    spec = eng.generate(prompts, sp)
+    assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
+    assert_drafts_accepted_and_rejected(spec, past=1)

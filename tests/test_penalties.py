@@ -17,6 +17,7 @@ from mtpjax.sampling import LaneSampling, SamplingParams
 
 from test_depth import RandomDepth
 from tiny_models import VOCAB11_CFG as CFG, VOCAB11_PARAMS as PARAMS
+from tiny_models import assert_drafts_accepted_and_rejected
 
 RNG = np.random.default_rng(5)
 PROMPTS = [list(map(int, RNG.integers(0, 11, n))) for n in (3, 21, 9, 1)]
@@ -91,7 +92,10 @@ def test_spec_equals_plain_and_reference(sp):
     assert policy.seen == {0, 1, 2, 3}
     for e in (engine(0), engine(3)):      # both lane buckets ran (3 busy lanes, then 1)
         assert {("decode", e.k, 1), ("decode", e.k, 3)} <= set(e.stats()["programs"])
-    assert sum(o.stats.accepted_tokens for o in fixed + rand) > 0, "no draft accepted"
+    # drafts accepted and rejected; a random head's rarely land past position 1 at top-k /
+    # top-p (measured: 13 of 101 first drafts, none after): the trained head does that, with
+    # penalties, in test_logprobs.test_trained_head_spec_equals_plain_with_penalties_bias_...
+    assert_drafts_accepted_and_rejected(fixed + rand, past=0)
     for prompt, p, a, b, c in zip(PROMPTS, ps, plain, fixed, rand):
         assert a.finish_reason == "length"
         assert b.token_ids == a.token_ids

@@ -26,6 +26,7 @@ from mtpjax.sampling import SamplingParams
 from mtpjax.text import Tokenizer
 
 from json_schema_check import matches
+from tiny_models import assert_drafts_accepted_and_rejected
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CKPT = os.path.join(REPO, "checkpoints", "tiny")
@@ -103,6 +104,7 @@ def test_speculation_ran_and_drafts_were_rejected_and_accepted(runs):
     drafted = sum(o.stats.drafted_tokens for o in outs)
     accepted = sum(o.stats.accepted_tokens for o in outs)
     assert 0 < accepted < drafted, (accepted, drafted)
+    assert_drafts_accepted_and_rejected(outs)
 
 
 # ---------------------------------------------------------------------------- masked drafts

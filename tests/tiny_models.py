@@ -36,3 +36,24 @@ TP_SAMPLING = [SamplingParams(max_new_tokens=14),
                SamplingParams(max_new_tokens=14, temperature=0.8, top_k=5, top_p=0.9, seed=11),
                SamplingParams(max_new_tokens=14, temperature=1.3, top_p=0.7, seed=5)]
 TP_ENGINE_KW = dict(max_lanes=2, max_seq_len=64, prefill_chunk=16, prefill_buckets=[16])
+
+
+def assert_drafts_accepted_and_rejected(outputs, past: int = 1) -> dict:
+    """A spec == plain test proves something only where the verify path both accepted and
+    rejected drafts, and accepted some past draft position `past` (the 1-based positions after
+    the first: the rollback of a partly accepted block and the replay of several pending
+    tokens). Sums each output's RequestStats; returns the totals for the caller's message."""
+    acc, tried = [], []
+    for o in outputs:
+        for j, (a, t) in enumerate(zip(o.stats.accepted_per_position,
+                                       o.stats.tried_per_position)):
+            if j >= len(acc):
+                acc.append(0)
+                tried.append(0)
+            acc[j] += a
+            tried[j] += t
+    totals = {"accepted_per_position": acc, "tried_per_position": tried}
+    assert sum(acc) > 0, f"no draft was accepted: {totals}"
+    assert sum(tried) > sum(acc), f"no draft was rejected: {totals}"
+    assert sum(acc[past:]) > 0, f"no draft accepted past position {past}: {totals}"
+    return totals
