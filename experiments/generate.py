@@ -39,9 +39,12 @@ flags.DEFINE_integer("num_speculative_tokens", 1, "MTP draft slots K: each step 
 flags.DEFINE_boolean("adaptive", False, "choose each step's depth in 0..K from measured step "
                      "time and acceptance (mtpjax/depth.py); else always K")
 flags.DEFINE_integer("max_new_tokens", 128, "tokens to generate at most")
-flags.DEFINE_float("temperature", 0.0, "0 = greedy")
-flags.DEFINE_integer("top_k", 0, "0 = off")
-flags.DEFINE_float("top_p", 1.0, "1.0 = off")
+flags.DEFINE_float("temperature", None, "0 = greedy (default: --generation_config's)")
+flags.DEFINE_integer("top_k", None, "0 = off (default: --generation_config's)")
+flags.DEFINE_float("top_p", None, "1.0 = off (default: --generation_config's)")
+flags.DEFINE_enum("generation_config", "auto", ["auto", "none"], "sampling defaults for the "
+                  "flags left out: 'auto' = the checkpoint's generation_config.json "
+                  "(temperature, top_p, top_k, penalties), 'none' = OpenAI's (temperature 1)")
 flags.DEFINE_integer("seed", 0, "sampling seed")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute dtype")
 flags.DEFINE_integer("max_seq_len", 0, "context limit of the engine's cache; 0 = prompt + "
@@ -59,6 +62,7 @@ def main(argv):
     if len(argv) > 1:
         raise SystemExit(f"unexpected arguments: {' '.join(argv[1:])}")
     import mtpjax
+    from mtpjax.generation_config import SamplingDefaults
     from mtpjax.sampling import SamplingParams
     from mtpjax.text import TextEngine, Tokenizer, apply_chat_template
 
@@ -98,8 +102,17 @@ def main(argv):
           f"dp={FLAGS.dp}, prompt {len(prompt_ids)} "
           f"tokens, {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
 
-    sp = SamplingParams(temperature=FLAGS.temperature, top_k=FLAGS.top_k, top_p=FLAGS.top_p,
+    d = SamplingDefaults.resolve(FLAGS.generation_config, path)
+    pick = lambda v, default: default if v is None else v
+    sp = SamplingParams(temperature=pick(FLAGS.temperature, d.temperature),
+                        top_k=pick(FLAGS.top_k, d.top_k), top_p=pick(FLAGS.top_p, d.top_p),
+                        presence_penalty=d.presence_penalty,
+                        frequency_penalty=d.frequency_penalty,
+                        repetition_penalty=d.repetition_penalty,
                         max_new_tokens=FLAGS.max_new_tokens, seed=FLAGS.seed)
+    print(f"[generate] sampling: temperature {sp.temperature:g}, top_p {sp.top_p:g}, top_k "
+          f"{sp.top_k}, repetition_penalty {sp.repetition_penalty:g} (defaults: {d.source})",
+          file=sys.stderr, flush=True)
     if FLAGS.chat:
         sp = dataclasses.replace(sp, stop_token_ids=tok.stop_ids())
     print("[generate] the first step of each kind compiles its program (a few seconds each on "

@@ -54,6 +54,10 @@ flags.DEFINE_string("log_level", "warning", "uvicorn log level")
 flags.DEFINE_integer("max_consecutive_failures", 3, "engine steps failed in a row after which "
                      "the server takes no work (503, /health 503 'unavailable') and probes "
                      "until a step completes")
+flags.DEFINE_enum("generation_config", "auto", ["auto", "none"], "sampling defaults of "
+                  "requests that leave them out: 'auto' = the checkpoint's "
+                  "generation_config.json (temperature, top_p, top_k, penalties), 'none' = "
+                  "OpenAI's (temperature 1, top_p 1, no top_k)")
 flags.DEFINE_float("probe_interval_s", 1.0, "seconds between probes while the breaker is open")
 flags.DEFINE_string("fault_injection", "", "TEST AID, off by default: 'fail_steps:A-B' makes "
                     "engine steps A..B (counted from 1 at the first step after warm-up) fail "
@@ -72,7 +76,8 @@ def config_of(f=FLAGS) -> ServerConfig:
         dtype=f.dtype, kernels=f.kernels, tp=f.tp, dp=f.dp, weights=f.weights,
         mtp_weights=f.mtp_weights, warmup=f.warmup,
         max_consecutive_failures=f.max_consecutive_failures,
-        probe_interval_s=f.probe_interval_s, fault_injection=f.fault_injection)
+        probe_interval_s=f.probe_interval_s, fault_injection=f.fault_injection,
+        generation_config=f.generation_config)
 
 
 def warmup_with_progress(engine) -> None:

@@ -994,8 +994,11 @@ def main(argv):
             final=history[-1] if history else {})
 
         gen_cfg = {"bos_token_id": ids["<|endoftext|>"], "eos_token_id": list(eos),
-                   "pad_token_id": ids["<|endoftext|>"], "do_sample": False,
-                   "max_new_tokens": 256}
+                   "pad_token_id": ids["<|endoftext|>"], "max_new_tokens": 256,
+                   # the recommended sampling (servers and `generate` default to it; see
+                   # mtpjax/generation_config.py): greedy decoding of this small model loops
+                   "do_sample": True, "temperature": 0.8, "top_p": 0.95, "top_k": 40,
+                   "repetition_penalty": 1.05}
         save_hf_checkpoint(out, cfg, params, dtype="bfloat16", tokenizer_json=tok.to_str(),
                            generation_config=gen_cfg, layout="wrapper")
         with open(os.path.join(out, "tokenizer_config.json"), "w") as f:

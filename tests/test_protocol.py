@@ -273,3 +273,38 @@ def test_unknown_template_kwargs_are_refused_by_name(tok, template):
                                                                   "thinking_budget": 5}),
                 "chat_template_kwargs")
     assert "thinking_budget" in e.message and "enable_thinking" in e.message, e.message
+
+
+# ------------------------------------------------------------------ generation_config defaults
+def test_sampling_defaults_come_from_generation_config(tok, template, tmp_path):
+    """A request that leaves temperature / top_p / top_k / penalties out gets the checkpoint's
+    generation_config.json values (the tiny ships its recommended sampling); one that sets
+    them wins; without the file (or with --generation_config=none) OpenAI's defaults hold."""
+    import json
+    from mtpjax.generation_config import SamplingDefaults
+    d = SamplingDefaults.of_checkpoint(CKPT)
+    with open(os.path.join(CKPT, "generation_config.json")) as f:
+        cfg = json.load(f)
+    assert cfg["do_sample"] is True and d.temperature == cfg["temperature"] > 0
+    assert (d.top_p, d.top_k, d.repetition_penalty) == (cfg["top_p"], cfg["top_k"],
+                                                         cfg["repetition_penalty"])
+    limits = ServerLimits("tiny", 300, 128, d)
+    p = parse_chat({"model": "tiny", "messages": MSGS}, limits, tok, template).params
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (
+        d.temperature, d.top_p, d.top_k, d.repetition_penalty)
+    p = parse_completion({"model": "tiny", "prompt": "x", "temperature": 0.0, "top_k": 0,
+                          "repetition_penalty": 1.0}, limits, tok).params
+    assert (p.temperature, p.top_p, p.top_k, p.repetition_penalty) == (0.0, d.top_p, 0, 1.0)
+    openai = chat(tok, template).params                      # ServerLimits' default: OpenAI's
+    assert (openai.temperature, openai.top_p, openai.top_k) == (1.0, 1.0, 0)
+    assert SamplingDefaults.resolve("none", CKPT) == SamplingDefaults()
+    assert SamplingDefaults.of_checkpoint(str(tmp_path)) == SamplingDefaults()
+    # transformers' do_sample: false is greedy, whatever temperature says
+    greedy = SamplingDefaults.from_generation_config({"do_sample": False, "temperature": 0.7})
+    assert greedy.temperature == 0.0
+    for bad in ({"temperature": -1}, {"top_p": 0}, {"top_k": 2.5}, {"do_sample": "yes"},
+                {"repetition_penalty": 0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            SamplingDefaults.from_generation_config(bad)
+    with pytest.raises(ValueError, match="generation_config"):
+        SamplingDefaults.resolve("vllm", CKPT)

@@ -37,8 +37,11 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CKPT = os.path.join(REPO, "checkpoints", "tiny")
 # Few compiled programs (2 lane buckets, 1 prefill bucket): compiling dominates this file.
 ENGINE = dict(max_lanes=2, max_seq_len=128, prefill_chunk=32, prefill_buckets=[32])
+# --generation_config=none: the cases below compare with SamplingParams built on OpenAI's
+# defaults (top_p 1, no top_k); the checkpoint's defaults are tested in test_protocol
 SERVER_FLAGS = ["--num_speculative_tokens=1", "--noadaptive", "--max_lanes=2",
-                "--max_seq_len=128", "--prefill_chunk=32", "--prefill_buckets=32", "--nowarmup"]
+                "--max_seq_len=128", "--prefill_chunk=32", "--prefill_buckets=32", "--nowarmup",
+                "--generation_config=none"]
 N_CHATS = 32
 
 

@@ -43,6 +43,7 @@ from typing import Any, AsyncIterator, Callable
 
 from fastapi import Request   # at module level: FastAPI resolves the handlers' annotations here
 
+from mtpjax.generation_config import SamplingDefaults
 from mtpjax.serving import metrics as metrics_lib
 from mtpjax.serving.chat_template import ChatTemplate, load_chat_template
 from mtpjax.serving.faults import BreakerConfig, FaultInjection, Unavailable
@@ -482,6 +483,7 @@ class ServerConfig:
     max_consecutive_failures: int = 3       # failed steps in a row that open the breaker
     probe_interval_s: float = 1.0           # how often the open breaker probes
     fault_injection: str = ""               # test aid: "fail_steps:A-B" (faults.FaultInjection)
+    generation_config: str = "auto"         # sampling defaults: "auto" (the checkpoint's) | "none"
 
 
 def load_server(cfg: ServerConfig, warmup: Callable[[Any], None] | None = None) -> Server:
@@ -524,7 +526,9 @@ def load_server(cfg: ServerConfig, warmup: Callable[[Any], None] | None = None) 
     try:
         breaker = BreakerConfig(cfg.max_consecutive_failures, cfg.probe_interval_s)
         faults = FaultInjection.parse(cfg.fault_injection)
+        defaults = SamplingDefaults.resolve(cfg.generation_config, path)
     except ValueError as e:
         raise SystemExit(str(e))
     online = OnlineEngine(engine, tok, breaker=breaker, fault_injection=faults).start()
-    return Server(online, tok, ServerLimits(name, model_cfg.vocab_size, max_seq_len), template)
+    return Server(online, tok, ServerLimits(name, model_cfg.vocab_size, max_seq_len, defaults),
+                  template)

@@ -7,7 +7,9 @@ The order: the model name (404 first, as OpenAI and vLLM answer), the body's sha
 checks that need the engine's sizes: token ids inside the vocabulary, prompt + max_tokens
 inside the context.
 
-Sampling defaults: temperature 1.0, top_p 1.0, top_k off (-1 or 0), seed random (a request
+Sampling defaults: the checkpoint's generation_config.json (`ServerLimits.defaults`,
+mtpjax/generation_config.py: temperature, top_p, top_k and the penalties a request leaves out;
+OpenAI's temperature 1.0, top_p 1.0, top_k off without one), seed random (a request
 with a seed gets the tokens `TextEngine` gives the same prompt and seed), max_tokens the rest
 of the context for chat and 16 for completions. Chat stops on the tokenizer's `<|im_end|>` /
 `<|endoftext|>` as well. Tools: with tool_choice "auto" (the default) the template renders them
@@ -29,6 +31,7 @@ import dataclasses
 import secrets
 from typing import Any
 
+from mtpjax.generation_config import SamplingDefaults
 from mtpjax.sampling import SamplingParams
 from mtpjax.serving.chat_template import ChatTemplate, ChatTemplateError, \
     TemplateVariableError
@@ -42,6 +45,7 @@ class ServerLimits:
     model: str
     vocab_size: int
     max_seq_len: int
+    defaults: SamplingDefaults = SamplingDefaults()   # what a request leaves out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,16 +97,18 @@ def sampling_params(req: ChatCompletionRequest | CompletionRequest, prompt_len: 
     if bad:
         raise APIError(f"'logit_bias' token id {bad[0]} is outside the vocabulary "
                        f"[0, {limits.vocab_size})", "logit_bias")
-    return SamplingParams(temperature=req.temperature, top_k=max(req.top_k, 0), top_p=req.top_p,
+    d = limits.defaults
+    pick = lambda v, default: default if v is None else v
+    return SamplingParams(temperature=pick(req.temperature, d.temperature),
+                          top_k=max(pick(req.top_k, d.top_k), 0), top_p=pick(req.top_p, d.top_p),
                           max_new_tokens=max_tokens if max_tokens is not None else
                           room if default_max is None else min(default_max, room),
                           seed=secrets.randbits(32) if req.seed is None else req.seed,
                           stop_token_ids=stop_token_ids, grammar=grammar,
                           logprobs=req.num_logprobs, logit_bias=tuple(sorted(bias.items())),
-                          presence_penalty=req.presence_penalty or 0.0,
-                          frequency_penalty=req.frequency_penalty or 0.0,
-                          repetition_penalty=(1.0 if req.repetition_penalty is None
-                                              else req.repetition_penalty))
+                          presence_penalty=pick(req.presence_penalty, d.presence_penalty),
+                          frequency_penalty=pick(req.frequency_penalty, d.frequency_penalty),
+                          repetition_penalty=pick(req.repetition_penalty, d.repetition_penalty))
 
 
 def response_grammar(req: ChatCompletionRequest) -> str | None:

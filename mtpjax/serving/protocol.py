@@ -256,9 +256,11 @@ def _stop(v: Any) -> Any:
 class _Sampling(_Strict):
     """Fields both routes share: the model, sampling, stop strings, streaming."""
     model: str = Field(min_length=1, description="a model id (see GET /v1/models)")
-    temperature: float = Field(1.0, ge=0.0, le=2.0, description="a number in [0, 2]")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="a number in (0, 1]")
-    top_k: int = Field(0, ge=-1, description="-1, 0 (off) or a positive integer")
+    # None (left out): the checkpoint's generation_config.json default (parsing,
+    # mtpjax/generation_config.py), OpenAI's (1.0, 1.0, off) with --generation_config=none
+    temperature: float | None = Field(None, ge=0.0, le=2.0, description="a number in [0, 2]")
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="a number in (0, 1]")
+    top_k: int | None = Field(None, ge=-1, description="-1, 0 (off) or a positive integer")
     seed: int | None = Field(None, ge=0, lt=2 ** 32, description="an integer in [0, 2**32)")
     stop: tuple[str, ...] = Field((), description="a non-empty string or a list of non-empty "
                                                   "strings")
