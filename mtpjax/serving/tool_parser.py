@@ -69,11 +69,29 @@ def _types(schema: Any) -> set[str]:
     return set()
 
 
-def convert_value(raw: str, schema: Any) -> Any:
-    """A parameter's text as its schema type says (see the module docstring)."""
+def written_as_text(schema: Any) -> bool:
+    """Whether a parameter's value is written as raw text (and read back as a string) rather
+    than as JSON: its type is "string" or includes it, or a type this parser does not know;
+    with no type, unless the schema composes (anyOf, oneOf, allOf, $ref) or its enum / const
+    holds a non-string (those are JSON). grammar.tool_call_grammar writes values by the same
+    rule, so a forced call's value parses back to what the grammar allowed."""
     types = _types(schema)
-    if not types & _JSON_TYPES or "string" in types:
+    if types:
+        return "string" in types or not types & _JSON_TYPES
+    if not isinstance(schema, dict):
+        return True
+    if any(k in schema for k in ("anyOf", "oneOf", "allOf", "$ref")):
+        return False
+    values = schema.get("enum") if "enum" in schema else (
+        [schema["const"]] if "const" in schema else [])
+    return not isinstance(values, list) or all(isinstance(v, str) for v in values)
+
+
+def convert_value(raw: str, schema: Any) -> Any:
+    """A parameter's text as its schema says (see the module docstring)."""
+    if written_as_text(schema):
         return raw
+    types = _types(schema)
     s = raw.strip()
     if s.lower() == "null":
         return None
