@@ -42,6 +42,7 @@ import secrets
 from typing import Any, Iterable
 
 START, END = "<tool_call>", "</tool_call>"
+PARAM_CLOSE = "\n</parameter>"
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 _JSON_TYPES = frozenset({"integer", "number", "boolean", "object", "array", "null"})
@@ -121,14 +122,54 @@ def parse_block(inner: str, schemas: dict[str, dict]) -> tuple[str, str] | None:
     return name, json.dumps(args, ensure_ascii=False)
 
 
+def parse_partial_block(inner: str, schemas: dict[str, dict],
+                        name: str | None = None) -> tuple[str, str] | None:
+    """(name, arguments JSON) of a call cut off before its `</tool_call>` (inner: the text after
+    `<tool_call>`): the parameters written so far, the last one with the value it had when the
+    text ended (less a trailing piece of its closing tag). The function is the one its tag
+    names, or, while the tag is unfinished, `name` (a named tool_choice) or the one tool
+    whose tag it can still become; None when none is known."""
+    head = inner.lstrip()
+    m = re.match(r"<function=([^>\n]+)>", head)
+    if m is not None:
+        name, body = m.group(1), head[m.end():]
+    else:
+        if name is None:
+            fits = [n for n in schemas if f"<function={n}>".startswith(head)]
+            name = fits[0] if len(fits) == 1 else None
+        body = ""
+    if name not in schemas:
+        return None
+    props = schemas[name].get("properties") if isinstance(schemas[name], dict) else None
+    props = props if isinstance(props, dict) else {}
+    args, pos = {}, 0
+    for p in _PARAMETER.finditer(body):
+        args[p.group(1)] = convert_value(
+            p.group(2).removeprefix("\n").removesuffix("\n"), props.get(p.group(1)))
+        pos = p.end()
+    last = re.search(r"<parameter=([^>\n]+)>", body[pos:])
+    if last is not None:
+        raw = body[pos:][last.end():].removeprefix("\n")
+        for k in range(min(len(raw), len(PARAM_CLOSE)), 0, -1):
+            if PARAM_CLOSE.startswith(raw[-k:]):       # a closing tag begun
+                raw = raw[:-k]
+                break
+        args[last.group(1)] = convert_value(raw, props.get(last.group(1)))
+    return name, json.dumps(args, ensure_ascii=False)
+
+
 def _call(name: str, arguments: str, call_id: str) -> dict:
     return {"id": call_id, "type": "function",
             "function": {"name": name, "arguments": arguments}}
 
 
-def parse_tool_calls(text: str, tools: Iterable[dict] | None) -> tuple[str | None, list[dict]]:
+def parse_tool_calls(text: str, tools: Iterable[dict] | None, partial: bool = False,
+                     name: str | None = None) -> tuple[str | None, list[dict]]:
     """(content or None, calls) of a whole generated text; calls are OpenAI tool_calls
-    entries {id, type: "function", function: {name, arguments: JSON string}}."""
+    entries {id, type: "function", function: {name, arguments: JSON string}}. partial (a
+    forced call, tool_choice "required" / named `name`): a block the text ends in is a call
+    with the arguments written so far (`parse_partial_block`), and a trailing piece of
+    `<tool_call>` is dropped: no markup is left in the content."""
     schemas = tool_schemas(tools)
     content, calls, seg, pos, after_call = "", [], "", 0, False
 
@@ -140,8 +181,17 @@ def parse_tool_calls(text: str, tools: Iterable[dict] | None) -> tuple[str | Non
     while True:
         i = text.find(START, pos)
         j = text.find(END, i + len(START)) if i >= 0 else -1
+        if j < 0 and partial and i >= 0:               # a forced call cut off
+            content += close_segment(seg + text[pos:i], True)
+            call = parse_partial_block(text[i + len(START):], schemas, name)
+            if call is not None:
+                calls.append(_call(*call, new_call_id()))
+            break
         if j < 0:                                      # no (closed) block left
-            content += close_segment(seg + text[pos:], False)
+            rest = text[pos:]
+            if partial:
+                rest = rest[:len(rest) - _partial_start(rest)]
+            content += close_segment(seg + rest, False)
             break
         call = parse_block(text[i + len(START):j], schemas)
         seg += text[pos:i]
@@ -165,9 +215,11 @@ def _partial_start(s: str) -> int:
 
 @dataclasses.dataclass
 class ToolCallStream:
-    """Streaming `parse_tool_calls`: `push(text)` and, at the end, `flush()` return
-    (content delta, OpenAI tool_calls delta entries) that became final."""
+    """Streaming `parse_tool_calls` (with its partial and name): `push(text)` and, at the end,
+    `flush()` return (content delta, OpenAI tool_calls delta entries) that became final."""
     tools: dataclasses.InitVar[Iterable[dict] | None]
+    partial: bool = False
+    name: str | None = None
     schemas: dict = dataclasses.field(init=False)
     num_calls: int = 0
     _buf: str = ""
@@ -189,6 +241,15 @@ class ToolCallStream:
         body = s.rstrip()
         self._ws = s[len(body):]
         return body
+
+    def _emit(self, name: str, arguments: str) -> list[dict]:
+        """A call's deltas: index, id, type and name (arguments ""), then the arguments."""
+        self._ws, self._after_call = "", True
+        deltas = [{"index": self.num_calls, "id": new_call_id(), "type": "function",
+                   "function": {"name": name, "arguments": ""}},
+                  {"index": self.num_calls, "function": {"arguments": arguments}}]
+        self.num_calls += 1
+        return deltas
 
     def push(self, piece: str) -> tuple[str, list[dict]]:
         self._buf += piece
@@ -212,16 +273,18 @@ class ToolCallStream:
             if call is None:
                 content += self._outside(block)
                 continue
-            name, arguments = call
-            self._ws, self._after_call = "", True
-            deltas.append({"index": self.num_calls, "id": new_call_id(), "type": "function",
-                           "function": {"name": name, "arguments": ""}})
-            deltas.append({"index": self.num_calls, "function": {"arguments": arguments}})
-            self.num_calls += 1
+            deltas += self._emit(*call)
 
     def flush(self) -> tuple[str, list[dict]]:
-        """The held text at the end of the output (an unclosed block stays content)."""
-        rest, self._buf, self._in_block = self._buf, "", False
+        """The held text at the end of the output: an unclosed block stays content, or, with
+        partial, is a call with the arguments so far (a piece of `<tool_call>` is dropped)."""
+        rest, in_block, self._buf, self._in_block = self._buf, self._in_block, "", False
+        if self.partial and in_block:
+            self._ws = ""
+            call = parse_partial_block(rest[len(START):], self.schemas, self.name)
+            return "", (self._emit(*call) if call is not None else [])
+        if self.partial:
+            rest = rest[:len(rest) - _partial_start(rest)]
         content = self._outside(rest) + self._ws
         self._ws = ""
         return content, []
