@@ -594,14 +594,16 @@ def test_additional_properties_false_at_the_parameters_level(tok, llt):
 
 
 @pytest.mark.parametrize("params, match", [
-    ({"properties": {"d": {"type": "string", "format": "date"}}}, "parameter 'd': keyword 'format'"),
+    ({"properties": {"d": {"type": "string", "format": "date"}}},
+     "parameter 'd': keyword 'format'"),
     ({"properties": {"s": {"type": "string", "anyOf": [{"maxLength": 2}]}}},
      "parameter 's': keyword 'anyOf'"),
     ({"properties": {"xs": {"type": "array", "uniqueItems": True}}},
      "parameter 'xs': keyword 'uniqueItems'"),
     ({"properties": {"o": {"type": "object", "properties": {"a": {"maxLenght": 3}}}}},
      "parameter 'o': keyword 'maxLenght' at .properties.a"),
-    ({"properties": {"n": {"type": "integer", "not": {"const": 3}}}}, "parameter 'n': keyword 'not'"),
+    ({"properties": {"n": {"type": "integer", "not": {"const": 3}}}},
+     "parameter 'n': keyword 'not'"),
     ({"properties": {"s": {"type": "string", "pattern": "a|^b"}}}, "parameter 's': 'pattern'"),
     ({"properties": {"s": {"type": "string", "pattern": "(?<=a)b"}}}, "look-around"),
     ({"properties": {"s": {"enum": ["</parameter>"]}}}, "closing tag"),

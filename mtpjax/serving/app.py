@@ -18,8 +18,10 @@ Request flow:
      request with tools (tool_choice "auto", "required" or a named function: the last two
      decode under the tool-call grammar, so the call parses and its arguments follow the
      schema), the tool-call parser (`tool_parser`: qwen3_coder
-     XML -> `tool_calls`, finish_reason "tool_calls"); a `response_format` json_object /
-     json_schema request decodes under its grammar (mtpjax/grammar.py), so its content is JSON;
+     XML -> `tool_calls`, finish_reason "tool_calls"; a forced call cut off by max_tokens:
+     the arguments so far, finish_reason "length", no markup in content); a
+     `response_format` json_object / json_schema request decodes under its grammar
+     (mtpjax/grammar.py), so its content is JSON;
   4. a client that disconnects cancels its request: its pages return at the next engine step.
 
 `n` > 1: the request becomes n sibling engine requests submitted together (choice i samples

@@ -16,7 +16,11 @@ and `ParsedRequest.tools` asks the app to parse calls; "none" renders the chat w
 qwen3_coder tool calls (one or more of any of the tools with parallel_tool_calls, OpenAI's
 default, else one; one call of the named function) whose arguments follow the
 function's parameters schema, after free reasoning when thinking is on (`tool_grammar`,
-grammar.tool_call_grammar): the reply is that call, finish_reason "tool_calls".
+grammar.tool_call_grammar): the reply is that call, finish_reason "tool_calls" (a call cut
+off by max_tokens: the arguments so far, "length"; `ParsedRequest.forced_call`). "auto" with a
+`strict` tool, or with a response_format, is constrained too: free text or text and then
+calls, or that JSON or calls. A schema keyword the grammar cannot enforce is a 400 on 'tools'
+naming the tool, the parameter and the keyword.
 Structured output: `response_format` json_object / json_schema becomes the request's grammar
 (`response_grammar`, SamplingParams.grammar): the content is JSON (following the schema),
 after free reasoning when thinking is on; a schema llguidance cannot compile is a 400 on

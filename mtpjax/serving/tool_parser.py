@@ -16,11 +16,17 @@ The rule, shared by `parse_tool_calls` (a whole text) and `ToolCallStream` (text
   request's tools, and nothing but `<parameter=P>...</parameter>` elements (and whitespace)
   inside the function. Any other block (unknown name, garbage, no `</tool_call>` before the
   text ends) stays in the content as written: the parser never raises;
-* a parameter value loses one leading and one trailing newline (the template writes them) and
-  is converted by its JSON schema type: "string" (or no type, or a parameter the schema does
-  not name) stays a string; integer, number, boolean, object, array go through `json.loads`,
-  falling back to the raw string; "null" is None for a non-string type. `arguments` is the
-  JSON object of the parameters, in order (a repeated name: the last value wins);
+* a parameter value ends at the first `</parameter>`, loses one leading and one trailing
+  newline (the template writes them) and is read as its JSON schema says
+  (`written_as_text`): raw text stays a string ("string" or a type list with it, no type, a
+  parameter the schema does not name); anything else (integer, number, boolean, object,
+  array, and a schema with no type that composes: anyOf, oneOf, allOf, $ref, or a non-string
+  enum / const) goes through `json.loads`, falling back to the raw string; "null" is None for
+  a non-string type. grammar.tool_call_grammar writes values by the same rule, so a value the
+  grammar allows parses back to itself. `arguments` is the JSON object of the parameters, in
+  order (a repeated name: the last value wins);
+* a forced call (tool_choice "required" / named: `partial`) that the text ends inside is a
+  call with the parameters written so far (`parse_partial_block`); no markup is content;
 * content is the text outside the calls, with the whitespace that separates text from a call
   dropped (the segment before a call loses its trailing whitespace, the segment after it its
   leading whitespace) -- vLLM's qwen3_coder parser strips the same way; text without calls is
