@@ -307,7 +307,23 @@ _NOT_STRING = frozenset({
     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "items",
     "prefixItems", "minItems", "maxItems", "properties", "required", "additionalProperties",
     "patternProperties", "minProperties", "maxProperties"})
-_TEXT = frozenset({"type", "enum", "const", "minLength", "maxLength", "pattern"})
+_TEXT = frozenset({"type", "enum", "const", "minLength", "maxLength", "pattern", "format"})
+# `format` on a raw text value: RFC 3339 / 4122 / 2673 forms as regexes (ASCII digits); the
+# other formats llguidance knows in JSON (email, hostname, ipv6, duration, uri, ...) are
+# refused by name on raw text. tests/test_structured_output.py checks each against
+# llguidance's own JSON-mode format on the same strings.
+_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_DATE = ("[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-"
+         "(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|[12][0-9]))")     # Feb 29 in any year
+_TIME = ("(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\\.[0-9]+)?"
+         "(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])")
+TEXT_FORMATS = {
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": f"{_DATE}[Tt]{_TIME}",
+    "uuid": "[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}",
+    "ipv4": f"(?:{_OCTET}\\.){{3}}{_OCTET}",
+}
 # The function's parameters schema: the call writes its properties as <parameter=...> elements.
 _FUNCTION = frozenset({"type", "properties", "required", "additionalProperties", "$defs",
                        "definitions"})
@@ -392,12 +408,17 @@ def _text_rule(rule: str, head: str, where: str, schema: dict) -> str:
     """Lark of a parameter written as raw text: any text (newlines, "<" and all) but the
     closing tags RAW_FORBIDDEN, ended by PARAM_END (a `suffix=` lexeme: it ends at the first
     PARAM_END, and it rolls back, which a `stop=` lexeme does not), within the schema's
-    minLength / maxLength (characters) and `pattern`; or one of its enum / its const."""
+    minLength / maxLength (characters), `pattern` and `format` (TEXT_FORMATS); or one of its
+    enum / its const (those of them the other keywords allow)."""
     for key in schema:
         if not (_is_note(key) or key in _TEXT or key in _NOT_STRING):
-            hint = " (write it as a 'pattern')" if key == "format" else ""
             raise ValueError(f"{where}: keyword {key!r} cannot be enforced on a string "
-                             f"parameter, which the call writes as raw text{hint}")
+                             "parameter, which the call writes as raw text")
+    fmt = schema.get("format")
+    if fmt is not None and fmt not in TEXT_FORMATS:
+        raise ValueError(f"{where}: keyword 'format' {fmt!r} cannot be enforced on a string "
+                         f"parameter, which the call writes as raw text (these can: "
+                         f"{', '.join(TEXT_FORMATS)}; or write a 'pattern')")
     lo, hi = schema.get("minLength", 0), schema.get("maxLength")
     for name, v in (("minLength", lo), ("maxLength", hi)):
         if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
@@ -409,7 +430,8 @@ def _text_rule(rule: str, head: str, where: str, schema: dict) -> str:
     if values is not None:
         import re
         ok = [v for v in values if isinstance(v, str) and lo <= len(v) <= (hi if hi is not None
-              else len(v)) and (pattern is None or re.search(pattern, v))]
+              else len(v)) and (pattern is None or re.search(pattern, v))
+              and (fmt is None or re.fullmatch(TEXT_FORMATS[fmt], v))]
         if not ok:
             raise ValueError(f"{where}: none of its enum / const values is a string its "
                              "schema allows")
@@ -430,6 +452,8 @@ def _text_rule(rule: str, head: str, where: str, schema: dict) -> str:
             raise ValueError(f"{where}: 'pattern' {pattern!r} cannot be enforced: "
                              f"{why[0] if why else str(e).splitlines()[0]}") from None
         parts.append(f"/{regex}/")
+    if fmt is not None:
+        parts.append(f"/{TEXT_FORMATS[fmt]}/")
     parts.append("~/(?s:.*(?:<\\/parameter>|<\\/tool_call>).*)/")
     return (f'{rule}: {_lark_str(head)} {rule}_v\n'
             f'{rule}_v[suffix={_lark_str(PARAM_END)}]: {" & ".join(parts)}\n')

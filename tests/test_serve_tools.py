@@ -454,8 +454,8 @@ def _tool(params, strict=None, name="f"):
 
 
 @pytest.mark.parametrize("params, match", [
-    ({"properties": {"when": {"type": "string", "format": "date-time"}}},
-     "tool 'f', parameter 'when': keyword 'format'"),
+    ({"properties": {"to": {"type": "string", "format": "email"}}},
+     "tool 'f', parameter 'to': keyword 'format' 'email'"),
     ({"properties": {"xs": {"type": "array", "contains": {"type": "integer"}}}},
      "tool 'f', parameter 'xs': keyword 'contains'"),
     ({"properties": {"o": {"type": "object", "propertyNames": {"maxLength": 2}}}},

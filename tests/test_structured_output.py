@@ -594,8 +594,8 @@ def test_additional_properties_false_at_the_parameters_level(tok, llt):
 
 
 @pytest.mark.parametrize("params, match", [
-    ({"properties": {"d": {"type": "string", "format": "date"}}},
-     "parameter 'd': keyword 'format'"),
+    ({"properties": {"d": {"type": "string", "format": "email"}}},
+     "parameter 'd': keyword 'format' 'email'"),
     ({"properties": {"s": {"type": "string", "anyOf": [{"maxLength": 2}]}}},
      "parameter 's': keyword 'anyOf'"),
     ({"properties": {"xs": {"type": "array", "uniqueItems": True}}},
@@ -640,3 +640,29 @@ def test_response_format_with_tools_is_that_json_or_calls(tok, llt):
     assert _accepts(llt, tok, g, pre + _call_text("write_file", path="p", text="t"))
     for text in ("plain", '{"name": 1}', "ok " + _call_text("write_file", path="p", text="t")):
         assert not _accepts(llt, tok, g, pre + text), text
+
+
+FORMAT_SAMPLES = {
+    "date": ["2024-01-31", "2024-02-29", "2023-02-29", "2024-02-30", "2024-04-31", "2024-13-01",
+             "2024-1-01", "x"],
+    "time": ["12:30:00Z", "12:30:00+02:00", "12:30:00.5z", "23:59:60Z", "25:00:00Z",
+             "12:30:00", "12:30:00.Z"],
+    "date-time": ["2024-01-31T12:30:00Z", "2024-01-31t12:30:00.123+05:30",
+                  "2024-01-31 12:30:00Z", "2024-01-31T12:30:00"],
+    "uuid": ["123e4567-e89b-12d3-a456-426614174000", "123E4567-E89B-12D3-A456-426614174000",
+             "123e4567e89b12d3a456426614174000", "g23e4567-e89b-12d3-a456-426614174000"],
+    "ipv4": ["1.2.3.4", "255.255.255.255", "256.1.1.1", "01.2.3.4", "1.2.3"],
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(grammar.TEXT_FORMATS))
+def test_raw_text_formats_agree_with_llguidance_json_formats(tok, llt, fmt):
+    """A string parameter's `format` (raw text, grammar.TEXT_FORMATS) allows what llguidance's
+    JSON-mode format allows, on each sample; and each format has accepted and refused ones."""
+    json_g = grammar.json_schema_grammar({"type": "string", "format": fmt})
+    call_g = grammar.tool_call_grammar([{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {
+            "v": {"type": "string", "format": fmt}}, "required": ["v"]}}}])
+    got = {v: _accepts(llt, tok, call_g, _call_text("f", v=v)) for v in FORMAT_SAMPLES[fmt]}
+    assert got == {v: _accepts(llt, tok, json_g, json.dumps(v)) for v in FORMAT_SAMPLES[fmt]}
+    assert any(got.values()) and not all(got.values())
