@@ -248,6 +248,34 @@ def test_speculative_forced_call_equals_plain():
     check_call(calls[0])
 
 
+@pytest.mark.parametrize("mode", ["strict", "response_format"])
+def test_speculative_auto_grammar_equals_plain(mode):
+    """"auto" with a strict tool / with a response_format decodes under a grammar (free text or
+    calls; the JSON or calls): the K-draft engine's tokens are the plain engine's, and the
+    reply parses (a call following its schema, or the JSON). (Runs before `served`.)"""
+    from mtpjax.serving.chat_template import load_chat_template
+    from mtpjax.serving.parsing import ServerLimits, parse_chat
+    from mtpjax.text import Tokenizer
+    tok, template = Tokenizer.from_checkpoint(CKPT), load_chat_template(CKPT)
+    tools = [FORCED_TOOLS[0] | {"function": FORCED_TOOLS[0]["function"] | {"strict": True}},
+             FORCED_TOOLS[1]]
+    extra = {"tools": tools} if mode == "strict" else {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}}
+    body = forced_body("auto", temperature=1.0, seed=5, max_tokens=60) | extra
+    r = parse_chat(body, ServerLimits("tiny", 4096, ENGINE["max_seq_len"]), tok, template)
+    assert r.params.grammar is not None
+    (spec,) = engine(K).generate([r.prompt_ids], r.params)
+    (plain,) = engine(0).generate([r.prompt_ids], r.params)
+    assert spec.token_ids == plain.token_ids and spec.error is None
+    assert spec.stats.drafted_tokens > 0
+    text = tok.decode(spec.token_ids)
+    content, calls = parse_tool_calls(text, tools)
+    for call in calls:
+        check_call(call)
+    if mode == "response_format" and not calls and spec.finish_reason == "stop":
+        assert matches(json.loads(content), WEATHER)
+
+
 def test_parallel_call_grammar_allows_several_calls_that_parse():
     """tool_call_grammar(parallel=True): one or more calls, newline-separated as the template
     writes them; each parses into a tool call whose arguments follow its schema. Without
