@@ -666,3 +666,20 @@ def test_raw_text_formats_agree_with_llguidance_json_formats(tok, llt, fmt):
     got = {v: _accepts(llt, tok, call_g, _call_text("f", v=v)) for v in FORMAT_SAMPLES[fmt]}
     assert got == {v: _accepts(llt, tok, json_g, json.dumps(v)) for v in FORMAT_SAMPLES[fmt]}
     assert any(got.values()) and not all(got.values())
+
+
+def test_json_arguments_parse_back_even_holding_a_closing_tag(tok, llt):
+    """A JSON argument's strings may hold `</parameter>` (llguidance's JSON allows it): the
+    parser ends a JSON value where its JSON ends, so the call parses back to what the grammar
+    allowed (the parser took the first `</parameter>` and lost the call)."""
+    from mtpjax.serving.tool_parser import parse_tool_calls
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"o": {"type": "object", "properties": {
+            "html": {"type": "string"}}, "required": ["html"], "additionalProperties": False},
+            "s": {"type": "string"}}, "required": ["o", "s"]}}}]
+    g = grammar.tool_call_grammar(tools)
+    value = {"html": "<p>a</parameter>\n</p>"}
+    text = _call_text("f", o=json.dumps(value), s="x")
+    assert _accepts(llt, tok, g, text)
+    (call,) = parse_tool_calls(text, tools)[1]
+    assert json.loads(call["function"]["arguments"]) == {"o": value, "s": "x"}

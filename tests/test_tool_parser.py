@@ -88,6 +88,8 @@ CASES = {
                         [("get_weather", {"city": "Oslo", "days": 3})]),
     "lone markers": ("a </tool_call> <tool_c b <tool_call", "a </tool_call> <tool_c b <tool_call",
                      []),
+    "json holding a tag": (block("calc", opts='{"a": "</parameter> <x>"}', x="1"), None,
+                           [("calc", {"opts": {"a": "</parameter> <x>"}, "x": 1})]),
     "unicode": ("Prüfe… " + block("get_weather", city="Zürich"), "Prüfe…",
                 [("get_weather", {"city": "Zürich"})]),
 }

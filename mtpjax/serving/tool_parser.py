@@ -16,8 +16,9 @@ The rule, shared by `parse_tool_calls` (a whole text) and `ToolCallStream` (text
   request's tools, and nothing but `<parameter=P>...</parameter>` elements (and whitespace)
   inside the function. Any other block (unknown name, garbage, no `</tool_call>` before the
   text ends) stays in the content as written: the parser never raises;
-* a parameter value ends at the first `</parameter>`, loses one leading and one trailing
-  newline (the template writes them) and is read as its JSON schema says
+* a parameter value ends at the first `</parameter>` (a JSON value where its JSON ends, when
+  `\n</parameter>` follows: its strings may hold the tag, `_parameters`), loses one leading
+  and one trailing newline (the template writes them) and is read as its JSON schema says
   (`written_as_text`): raw text stays a string ("string" or a type list with it, no type, a
   parameter the schema does not name); anything else (integer, number, boolean, object,
   array, and a schema with no type that composes: anyOf, oneOf, allOf, $ref, or a non-string
@@ -51,6 +52,7 @@ START, END = "<tool_call>", "</tool_call>"
 PARAM_CLOSE = "\n</parameter>"
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
+_PARAMETER_OPEN = re.compile(r"<parameter=([^>\n]+)>")
 _JSON_TYPES = frozenset({"integer", "number", "boolean", "object", "array", "null"})
 
 
@@ -110,6 +112,36 @@ def convert_value(raw: str, schema: Any) -> Any:
         return raw
 
 
+def _parameters(body: str, props: dict) -> list[tuple[str, str]] | None:
+    """The (name, raw value) of each `<parameter=P>...</parameter>` element of a function's
+    body, or None when anything but elements and whitespace is there. A value ends at the
+    first `</parameter>`, but a JSON value (a parameter the schema names, not written as
+    text) ends where its JSON does when `\n</parameter>` follows it: a JSON string may hold
+    `</parameter>`, as the grammar allows."""
+    out, pos, decoder = [], 0, json.JSONDecoder()
+    while True:
+        m = _PARAMETER_OPEN.search(body, pos)
+        if m is None:
+            return out if not body[pos:].strip() else None
+        if body[pos:m.start()].strip():
+            return None
+        name, start, close = m.group(1), m.end(), -1
+        if name in props and not written_as_text(props[name]):
+            at = start + body.startswith("\n", start)
+            try:
+                _, end = decoder.raw_decode(body, at)
+                if body.startswith(PARAM_CLOSE, end):
+                    close = end + 1
+            except (json.JSONDecodeError, ValueError, RecursionError):
+                pass
+        if close < 0:
+            close = body.find("</parameter>", start)
+            if close < 0:
+                return None
+        out.append((name, body[start:close]))
+        pos = close + len("</parameter>")
+
+
 def parse_block(inner: str, schemas: dict[str, dict]) -> tuple[str, str] | None:
     """(name, arguments JSON) of the text between <tool_call> and </tool_call>, or None when
     it is not a call of one of the tools."""
@@ -117,12 +149,13 @@ def parse_block(inner: str, schemas: dict[str, dict]) -> tuple[str, str] | None:
     if m is None or m.group(1) not in schemas:
         return None
     name, body = m.group(1), m.group(2)
-    if _PARAMETER.sub("", body).strip():          # garbage (or a second function) inside
-        return None
     props = schemas[name].get("properties") if isinstance(schemas[name], dict) else None
     props = props if isinstance(props, dict) else {}
+    params = _parameters(body, props)
+    if params is None:                            # garbage (or a second function) inside
+        return None
     args = {}
-    for p, raw in _PARAMETER.findall(body):
+    for p, raw in params:
         raw = raw.removeprefix("\n").removesuffix("\n")
         args[p] = convert_value(raw, props.get(p))
     return name, json.dumps(args, ensure_ascii=False)
