@@ -337,6 +337,32 @@ def _lark_str(s: str) -> str:
     return json.dumps(s)
 
 
+def _avoiding(words) -> str:
+    """A regex (llguidance's dialect, "/" escaped for a Lark /.../ literal) of the strings that
+    contain none of words (each starts with "<" and has no other "<"). Written out as the
+    automaton that tracks the longest begun word, not as `~/.*word.*/`: llguidance's lexer
+    gives up ("too many expressions") on that negation beside a length bound and the
+    PARAM_END suffix."""
+    def esc(c):
+        return "\\/" if c == "/" else ("\\" + c if c in "\\.^$|?*+()[]{}-&~#" else c)
+
+    def branches(tails, closed):
+        """After '<' and a begun word: the ways on. closed: back to no word begun (any
+        character that begins no word continues); else the text may end here."""
+        firsts = sorted({t[0] for t in tails})
+        alts = ["[^<" + "".join(esc(c) for c in firsts) + "]"] if closed else []
+        for c in firsts:
+            rest = [t[1:] for t in tails if t[0] == c]
+            if "" in rest:                     # the word would be complete
+                continue
+            inner = branches(rest, closed)
+            alts.append(esc(c) + (f"(?:{inner})" if closed else f"(?:{inner})?"))
+        return "|".join(alts)
+    tails = [w[1:] for w in words]
+    return (f"(?:[^<]|<+(?:{branches(tails, True)}))*"
+            f"(?:<+(?:{branches(tails, False)})?)?")
+
+
 def _is_note(key: str) -> bool:
     return key in ANNOTATIONS or key.startswith("x-")
 
@@ -454,7 +480,7 @@ def _text_rule(rule: str, head: str, where: str, schema: dict) -> str:
         parts.append(f"/{regex}/")
     if fmt is not None:
         parts.append(f"/{TEXT_FORMATS[fmt]}/")
-    parts.append("~/(?s:.*(?:<\\/parameter>|<\\/tool_call>).*)/")
+    parts.append(f"/{_avoiding(RAW_FORBIDDEN)}/")
     return (f'{rule}: {_lark_str(head)} {rule}_v\n'
             f'{rule}_v[suffix={_lark_str(PARAM_END)}]: {" & ".join(parts)}\n')
 

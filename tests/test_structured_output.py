@@ -683,3 +683,18 @@ def test_json_arguments_parse_back_even_holding_a_closing_tag(tok, llt):
     assert _accepts(llt, tok, g, text)
     (call,) = parse_tool_calls(text, tools)[1]
     assert json.loads(call["function"]["arguments"]) == {"o": value, "s": "x"}
+
+
+@pytest.mark.parametrize("hi", [100, 5000, 100_000])
+def test_a_large_max_length_closes_at_any_length(tok, llt, hi):
+    """A string parameter with a large maxLength (and a pattern) closes after a short value
+    too: the closing tags are kept out of the value by a written-out automaton
+    (grammar._avoiding), not by a negation, which llguidance's lexer gave up on here ("too
+    many expressions constructed") for any bound above a few dozen."""
+    for schema in ({"type": "string", "maxLength": hi},
+                   {"type": "string", "maxLength": hi, "pattern": "^[^#]*$"}):
+        g = grammar.tool_call_grammar([{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {"v": schema}}}}])
+        for n in (0, 5, 300):
+            value = ("a <b>\n" * 60)[:n]
+            assert _accepts(llt, tok, g, _call_text("f", v=value)) == (n <= hi), (n, schema)
