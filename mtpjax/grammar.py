@@ -500,13 +500,13 @@ def _param_rule(rule: str, fname: str, pname: str, schema: Any, defs: dict) -> s
     head = f"<parameter={pname}>\n"
     if written_as_text(schema):
         return _text_rule(rule, head, where, schema)
-    found = unenforced_keyword(schema)
-    if found is not None:
-        raise ValueError(f"{where}: keyword {found[1]!r}{' at ' + found[0] if found[0] else ''}"
-                         " cannot be enforced (llguidance does not implement it)")
     sub = {**schema, "x-guidance": {**JSON_LAYOUT, **schema.get("x-guidance", {})}}
     for key, value in defs.items():
         sub.setdefault(key, value)
+    found = unenforced_keyword(sub)
+    if found is not None:
+        raise ValueError(f"{where}: keyword {found[1]!r}{' at ' + found[0] if found[0] else ''}"
+                         " cannot be enforced (llguidance does not implement it)")
     try:
         json_schema_grammar(sub)
     except ValueError as e:
@@ -585,10 +585,10 @@ def tool_call_grammar(tools: list[dict], name: str | None = None, thinking: bool
         # text without a call, or text up to the first "<tool_call>" (a suffix= lexeme: no
         # "<tool_call>" before it, as the parser takes the first one) and then the calls
         reply = "reply"
-        no_call = "~/(?s:.*<tool_call>.*)/"
+        no_call = f"/{_avoiding(['<tool_call>'])}/"
         lark += (f'reply: TEXT? | pre fn "</tool_call>"{more}\n'
                  f'TEXT: /(?s:.+)/ & {no_call}\n'
-                 f'pre[suffix="<tool_call>\\n"]: /(?s:.*)/ & {no_call}\n')
+                 f'pre[suffix="<tool_call>\\n"]: {no_call}\n')
     if thinking:
         start = (f'start: think "\\n\\n" {reply}\n'
                  f'think[suffix={_lark_str(THINK_END)}]: /(?s:.*)/\n')
