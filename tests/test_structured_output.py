@@ -672,16 +672,17 @@ def test_raw_text_formats_agree_with_llguidance_json_formats(tok, llt, fmt):
 
 
 def test_json_arguments_parse_back_even_holding_a_closing_tag(tok, llt):
-    """A JSON argument's strings may hold `</parameter>` (llguidance's JSON allows it): the
-    parser ends a JSON value where its JSON ends, so the call parses back to what the grammar
-    allowed (the parser took the first `</parameter>` and lost the call)."""
+    """A JSON argument's strings may hold `</parameter>` and `</tool_call>` (llguidance's JSON
+    allows them): the parser ends a JSON value where its JSON ends and a call at the first
+    `</tool_call>` where it parses, so the call parses back to what the grammar allowed (the
+    parser took the first of each and lost the call)."""
     from mtpjax.serving.tool_parser import parse_tool_calls
     tools = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"o": {"type": "object", "properties": {
             "html": {"type": "string"}}, "required": ["html"], "additionalProperties": False},
             "s": {"type": "string"}}, "required": ["o", "s"]}}}]
     g = grammar.tool_call_grammar(tools)
-    value = {"html": "<p>a</parameter>\n</p>"}
+    value = {"html": "<p>a</parameter>\n</tool_call></p>"}
     text = _call_text("f", o=json.dumps(value), s="x")
     assert _accepts(llt, tok, g, text)
     (call,) = parse_tool_calls(text, tools)[1]

@@ -90,6 +90,12 @@ CASES = {
                      []),
     "json holding a tag": (block("calc", opts='{"a": "</parameter> <x>"}', x="1"), None,
                            [("calc", {"opts": {"a": "</parameter> <x>"}, "x": 1})]),
+    "json holding the end": (block("calc", opts='{"a": "</tool_call> x"}') + " after",
+                             "after", [("calc", {"opts": {"a": "</tool_call> x"}})]),
+    "call never closing, then a call": (
+        "<tool_call>\n<function=calc>\nhi\n</function>\n</tool_call> and " + WEATHER + " z",
+        "<tool_call>\n<function=calc>\nhi\n</function>\n</tool_call> andz",
+        [("get_weather", {"city": "Oslo", "days": 3})]),
     "unicode": ("Prüfe… " + block("get_weather", city="Zürich"), "Prüfe…",
                 [("get_weather", {"city": "Zürich"})]),
 }

@@ -11,7 +11,9 @@ checkpoint's chat template renders and asks for):
 
 The rule, shared by `parse_tool_calls` (a whole text) and `ToolCallStream` (text deltas):
 
-* a block is the text from `<tool_call>` to the next `</tool_call>`; it is a call when it holds
+* a block is the text from `<tool_call>` to the next `</tool_call>` (or, while it opens a
+  function of the tools and does not parse, to a later one where it does: a JSON argument's
+  string may hold `</tool_call>`; `_block_end`); it is a call when it holds
   exactly one `<function=NAME>...</function>` (whitespace around it only) with NAME one of the
   request's tools, and nothing but `<parameter=P>...</parameter>` elements (and whitespace)
   inside the function. Any other block (unknown name, garbage, no `</tool_call>` before the
@@ -34,7 +36,8 @@ The rule, shared by `parse_tool_calls` (a whole text) and `ToolCallStream` (text
   returned unchanged. Empty content is None.
 
 The stream holds back what is not decided yet: text that may be the start of `<tool_call>`,
-trailing whitespace that may precede a call, and a whole block until its `</tool_call>`. A
+trailing whitespace that may precede a call, and a whole block until its `</tool_call>` (a
+block that opens a function and does not parse there: until one where it does, or the end). A
 call is emitted when its block closes: one delta with index, id, type and function.name
 (arguments ""), then one delta with the arguments. So the concatenated deltas of any split of
 a text equal `parse_tool_calls` of the whole text (call ids aside).
@@ -53,6 +56,7 @@ PARAM_CLOSE = "\n</parameter>"
 _FUNCTION = re.compile(r"\s*<function=([^>\n]+)>(.*)</function>\s*", re.S)
 _PARAMETER = re.compile(r"<parameter=([^>\n]+)>(.*?)</parameter>", re.S)
 _PARAMETER_OPEN = re.compile(r"<parameter=([^>\n]+)>")
+_FUNCTION_OPEN = re.compile(r"\s*<function=([^>\n]+)>")
 _JSON_TYPES = frozenset({"integer", "number", "boolean", "object", "array", "null"})
 
 
@@ -219,8 +223,9 @@ def parse_tool_calls(text: str, tools: Iterable[dict] | None, partial: bool = Fa
 
     while True:
         i = text.find(START, pos)
-        j = text.find(END, i + len(START)) if i >= 0 else -1
-        if j < 0 and partial and i >= 0:               # a forced call cut off
+        j, call = _block_end(text, i, schemas) if i >= 0 else (-1, None)
+        if partial and i >= 0 and (j < 0 or call is None and _may_be_call(
+                text[i + len(START):j], schemas)):    # a forced call cut off
             content += close_segment(seg + text[pos:i], True)
             call = parse_partial_block(text[i + len(START):], schemas, name)
             if call is not None:
@@ -232,7 +237,6 @@ def parse_tool_calls(text: str, tools: Iterable[dict] | None, partial: bool = Fa
                 rest = rest[:len(rest) - _partial_start(rest)]
             content += close_segment(seg + rest, False)
             break
-        call = parse_block(text[i + len(START):j], schemas)
         seg += text[pos:i]
         if call is None:
             seg += text[i:j + len(END)]
@@ -242,6 +246,28 @@ def parse_tool_calls(text: str, tools: Iterable[dict] | None, partial: bool = Fa
             seg, after_call = "", True
         pos = j + len(END)
     return content or None, calls
+
+
+def _may_be_call(inner: str, schemas: dict) -> bool:
+    """Whether a block's text (after <tool_call>) opens a function of the tools."""
+    m = _FUNCTION_OPEN.match(inner)
+    return m is not None and m.group(1) in schemas
+
+
+def _block_end(text: str, i: int, schemas: dict) -> tuple[int, tuple[str, str] | None]:
+    """(where the block that starts at i ends, its (name, arguments) or None): at the first
+    `</tool_call>` after which it parses as a call -- a later one only while the block opens
+    a function of the tools, for a JSON argument's string may hold `</tool_call>` -- else at
+    the first; (-1, None) when none follows."""
+    first = j = text.find(END, i + len(START))
+    while j >= 0:
+        call = parse_block(text[i + len(START):j], schemas)
+        if call is not None:
+            return j, call
+        if not _may_be_call(text[i + len(START):j], schemas):
+            break
+        j = text.find(END, j + len(END))
+    return first, None
 
 
 def _partial_start(s: str) -> int:
@@ -265,6 +291,8 @@ class ToolCallStream:
     _in_block: bool = False
     _after_call: bool = False      # no non-whitespace content since the last call
     _ws: str = ""                  # trailing whitespace held: it is dropped before a call
+    _scan: int = len(START)        # where in the held block the next </tool_call> is sought
+    _first_end: int = -1           # the held block's first </tool_call>, where it did not parse
 
     def __post_init__(self, tools):
         self.schemas = tool_schemas(tools)
@@ -303,12 +331,16 @@ class ToolCallStream:
                     return content, deltas
                 content += self._outside(self._buf[:i])
                 self._buf, self._in_block = self._buf[i:], True
-            j = self._buf.find(END, len(START))
+            j = self._buf.find(END, self._scan)
             if j < 0:
                 return content, deltas
+            call = parse_block(self._buf[len(START):j], self.schemas)
+            if call is None and _may_be_call(self._buf[len(START):j], self.schemas):
+                self._first_end = j if self._first_end < 0 else self._first_end
+                self._scan = j + len(END)      # a later </tool_call> may close it (_block_end)
+                continue
             block, self._buf = self._buf[:j + len(END)], self._buf[j + len(END):]
-            self._in_block = False
-            call = parse_block(block[len(START):-len(END)], self.schemas)
+            self._in_block, self._scan, self._first_end = False, len(START), -1
             if call is None:
                 content += self._outside(block)
                 continue
@@ -318,10 +350,17 @@ class ToolCallStream:
         """The held text at the end of the output: an unclosed block stays content, or, with
         partial, is a call with the arguments so far (a piece of `<tool_call>` is dropped)."""
         rest, in_block, self._buf, self._in_block = self._buf, self._in_block, "", False
+        first_end, self._first_end, self._scan = self._first_end, -1, len(START)
         if self.partial and in_block:
             self._ws = ""
             call = parse_partial_block(rest[len(START):], self.schemas, self.name)
             return "", (self._emit(*call) if call is not None else [])
+        if in_block and first_end >= 0:     # it never parsed: content to its first end, and
+            cut = first_end + len(END)      # what follows is read again
+            content = self._outside(rest[:cut])
+            more, deltas = self.push(rest[cut:])
+            last, last_deltas = self.flush()
+            return content + more + last, deltas + last_deltas
         if self.partial:
             rest = rest[:len(rest) - _partial_start(rest)]
         content = self._outside(rest) + self._ws
