@@ -284,50 +284,281 @@ def constrained(mask: jax.Array) -> jax.Array:
 
 
 # ------------------------------------------------------------------------------ tool calls
+# JSON Schema keywords, as llguidance 1.9.1 treats them. ENFORCED: it compiles them into the
+# grammar (its compiler refuses the keywords it knows and does not implement -- "not",
+# "if"/"then"/"else", "uniqueItems", "contains", "propertyNames", "dependentRequired",
+# "unevaluatedProperties", ... -- with "Unimplemented keys", and an unknown "format"; a oneOf it
+# cannot prove equal to an anyOf). It passes over any other key without a word, so a tool
+# schema keyword in neither set below is refused here by name (`unenforced_keyword`).
+ENFORCED = frozenset({
+    "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "$defs", "definitions",
+    "properties", "required", "additionalProperties", "patternProperties", "minProperties",
+    "maxProperties", "items", "prefixItems", "minItems", "maxItems", "minLength", "maxLength",
+    "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
+    "multipleOf"})
+# Keys that do not restrict a value (JSON Schema 2020-12 annotations, OpenAPI's nullable, which
+# only widens a schema, and "x-" extensions): left to the prompt.
+ANNOTATIONS = frozenset({
+    "title", "description", "default", "examples", "deprecated", "readOnly", "writeOnly",
+    "$comment", "$schema", "$id", "$anchor", "contentEncoding", "contentMediaType", "nullable"})
+# Keywords that restrict only values of a type other than string: vacuous for a value written
+# as raw text (always a string).
+_NOT_STRING = frozenset({
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "items",
+    "prefixItems", "minItems", "maxItems", "properties", "required", "additionalProperties",
+    "patternProperties", "minProperties", "maxProperties"})
+_TEXT = frozenset({"type", "enum", "const", "minLength", "maxLength", "pattern", "format"})
+# `format` on a raw text value: RFC 3339 / 4122 / 2673 forms as regexes (ASCII digits); the
+# other formats llguidance knows in JSON (email, hostname, ipv6, duration, uri, ...) are
+# refused by name on raw text. tests/test_structured_output.py checks each against
+# llguidance's own JSON-mode format on the same strings.
+_OCTET = "(?:25[0-5]|2[0-4][0-9]|1[0-9]{2}|[1-9]?[0-9])"
+_DATE = ("[0-9]{4}-(?:(?:0[13578]|1[02])-(?:0[1-9]|[12][0-9]|3[01])|(?:0[469]|11)-"
+         "(?:0[1-9]|[12][0-9]|30)|02-(?:0[1-9]|[12][0-9]))")     # Feb 29 in any year
+_TIME = ("(?:[01][0-9]|2[0-3]):[0-5][0-9]:(?:[0-5][0-9]|60)(?:\\.[0-9]+)?"
+         "(?:[Zz]|[+-](?:[01][0-9]|2[0-3]):[0-5][0-9])")
+TEXT_FORMATS = {
+    "date": _DATE,
+    "time": _TIME,
+    "date-time": f"{_DATE}[Tt]{_TIME}",
+    "uuid": "[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}",
+    "ipv4": f"(?:{_OCTET}\\.){{3}}{_OCTET}",
+}
+# The function's parameters schema: the call writes its properties as <parameter=...> elements.
+_FUNCTION = frozenset({"type", "properties", "required", "additionalProperties", "$defs",
+                       "definitions"})
+# A raw text value ends at the first "</parameter>" (the parser's rule), and its call at the
+# first "</tool_call>": a value holds neither.
+PARAM_END = "\n</parameter>\n"
+RAW_FORBIDDEN = ("</parameter>", "</tool_call>")
+
+
 def _lark_str(s: str) -> str:
     return json.dumps(s)
 
 
-def _param_rule(rule: str, pname: str, schema: Any) -> str:
-    """Lark for one qwen3_coder `<parameter=P>` element: a string parameter's value is text
-    without "<" up to the closing tag (one of its `enum` / its `const` when the schema has
-    them, within its minLength / maxLength when it has those: then a newline, which the parser
-    drops, before the tag); any other type's is JSON following its schema (what
-    serving.tool_parser.convert_value reads back)."""
-    types = schema.get("type") if isinstance(schema, dict) else None
-    types = set(types) if isinstance(types, list) else ({types} if types else set())
-    head = _lark_str(f"<parameter={pname}>\n")
-    tail = '"\\n</parameter>\\n"'
-    if not types or "string" in types:     # free text without "<" (the closing tag's)
-        values = schema.get("enum") if "enum" in schema else (
-            [schema["const"]] if "const" in schema else None)
-        if isinstance(values, list) and values and all(isinstance(v, str) for v in values) \
-                and types <= {"string"}:
-            return f'{rule}: {head} ({" | ".join(_lark_str(v) for v in values)}) {tail}\n'
-        lo, hi = schema.get("minLength"), schema.get("maxLength")
-        if types == {"string"} and (isinstance(lo, int) or isinstance(hi, int)):
-            lo = lo if isinstance(lo, int) and lo > 0 else 0
-            hi = f"{hi}" if isinstance(hi, int) and hi >= 0 else ""
-            # The value and its closing newline are one lexeme: with the newline in the tail,
-            # the lexer (greedy) would take a newline after a short value into the value and
-            # the value could only end at maxLength.
-            return f'{rule}: {head} /[^<]{{{lo},{hi}}}\\n/ "</parameter>\\n"\n'
-        return f'{rule}: {head} /[^<]*/ "</parameter>\\n"\n'
+def _avoiding(words) -> str:
+    """A regex (llguidance's dialect, "/" escaped for a Lark /.../ literal) of the strings that
+    contain none of words (each starts with "<" and has no other "<"). Written out as the
+    automaton that tracks the longest begun word, not as `~/.*word.*/`: llguidance's lexer
+    gives up ("too many expressions") on that negation beside a length bound and the
+    PARAM_END suffix."""
+    def esc(c):
+        return "\\/" if c == "/" else ("\\" + c if c in "\\.^$|?*+()[]{}-&~#" else c)
+
+    def branches(tails, closed):
+        """After '<' and a begun word: the ways on. closed: back to no word begun (any
+        character that begins no word continues); else the text may end here."""
+        firsts = sorted({t[0] for t in tails})
+        alts = ["[^<" + "".join(esc(c) for c in firsts) + "]"] if closed else []
+        for c in firsts:
+            rest = [t[1:] for t in tails if t[0] == c]
+            if "" in rest:                     # the word would be complete
+                continue
+            inner = branches(rest, closed)
+            alts.append(esc(c) + (f"(?:{inner})" if closed else f"(?:{inner})?"))
+        return "|".join(alts)
+    tails = [w[1:] for w in words]
+    return (f"(?:[^<]|<+(?:{branches(tails, True)}))*"
+            f"(?:<+(?:{branches(tails, False)})?)?")
+
+
+def _is_note(key: str) -> bool:
+    return key in ANNOTATIONS or key.startswith("x-")
+
+
+def unenforced_keyword(schema: Any, path: str = "") -> tuple[str, str] | None:
+    """(where, keyword) of the first keyword of a JSON schema (and its sub-schemas) that
+    llguidance does not enforce and that is not an annotation; None when there is none."""
+    if not isinstance(schema, dict):
+        return None
+    for key in schema:
+        if not _is_note(key) and key not in ENFORCED:
+            return path, key
+    for key in ("properties", "patternProperties", "$defs", "definitions"):
+        for name, sub in (schema.get(key) or {}).items():
+            if (found := unenforced_keyword(sub, f"{path}.{key}.{name}")) is not None:
+                return found
+    for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+        for j, sub in enumerate(schema.get(key) or ()):
+            if (found := unenforced_keyword(sub, f"{path}.{key}[{j}]")) is not None:
+                return found
+    for key in ("additionalProperties", "items"):
+        if (found := unenforced_keyword(schema.get(key), f"{path}.{key}")) is not None:
+            return found
+    return None
+
+
+def _search_regex(pattern: str) -> str:
+    """A Lark regex that matches the whole of a string iff JSON Schema's `pattern` (unanchored,
+    as ECMA-262's RegExp.test) matches somewhere in it; ValueError for anchors this cannot
+    place (inside groups or alternatives). The regex dialect is llguidance's (Rust regex)."""
+    out, depth, in_class, bar, anchors, i = [], 0, False, False, [], 0
+    while i < len(pattern):
+        c = pattern[i]
+        if c == "\\" and i + 1 < len(pattern):
+            out.append(pattern[i:i + 2])
+            i += 2
+            continue
+        if in_class:
+            in_class = c != "]"
+        elif c == "[":
+            in_class = True
+        elif c == "(":
+            depth += 1
+        elif c == ")":
+            depth -= 1
+        elif c == "|" and depth == 0:
+            bar = True
+        elif c in "^$":
+            anchors.append(i)
+        out.append({"/": "\\/", "\n": "\\n", "\r": "\\r"}.get(c, c))
+        i += 1
+    start = 0 in anchors and pattern[0] == "^"
+    end = len(pattern) - 1 in anchors and pattern[-1] == "$"
+    inner = set(anchors) - ({0} if start else set()) - ({len(pattern) - 1} if end else set())
+    if inner or (bar and (start or end)):
+        raise ValueError("anchors (^, $) only at the very start or end of the whole pattern "
+                         "can be enforced")
+    core = "".join(out[1 if start else 0:len(out) - 1 if end else len(out)])
+    return ("" if start else "(?s:.*)") + f"(?:{core})" + ("" if end else "(?s:.*)")
+
+
+def _text_values(schema: dict) -> list | None:
+    if "enum" in schema:
+        return list(schema["enum"]) if isinstance(schema["enum"], list) else None
+    return [schema["const"]] if "const" in schema else None
+
+
+def _text_rule(rule: str, head: str, where: str, schema: dict) -> str:
+    """Lark of a parameter written as raw text: any text (newlines, "<" and all) but the
+    closing tags RAW_FORBIDDEN, ended by PARAM_END (a `suffix=` lexeme: it ends at the first
+    PARAM_END, and it rolls back, which a `stop=` lexeme does not), within the schema's
+    minLength / maxLength (characters), `pattern` and `format` (TEXT_FORMATS); or one of its
+    enum / its const (those of them the other keywords allow)."""
+    for key in schema:
+        if not (_is_note(key) or key in _TEXT or key in _NOT_STRING):
+            raise ValueError(f"{where}: keyword {key!r} cannot be enforced on a string "
+                             "parameter, which the call writes as raw text")
+    fmt = schema.get("format")
+    if fmt is not None and fmt not in TEXT_FORMATS:
+        raise ValueError(f"{where}: keyword 'format' {fmt!r} cannot be enforced on a string "
+                         f"parameter, which the call writes as raw text (these can: "
+                         f"{', '.join(TEXT_FORMATS)}; or write a 'pattern')")
+    lo, hi = schema.get("minLength", 0), schema.get("maxLength")
+    for name, v in (("minLength", lo), ("maxLength", hi)):
+        if v is not None and (not isinstance(v, int) or isinstance(v, bool) or v < 0):
+            raise ValueError(f"{where}: {name!r} must be an integer >= 0, got {v!r}")
+    pattern = schema.get("pattern")
+    if pattern is not None and not isinstance(pattern, str):
+        raise ValueError(f"{where}: 'pattern' must be a string, got {pattern!r}")
+    values = _text_values(schema)
+    if values is not None:
+        import re
+        ok = [v for v in values if isinstance(v, str) and lo <= len(v) <= (hi if hi is not None
+              else len(v)) and (pattern is None or re.search(pattern, v))
+              and (fmt is None or re.fullmatch(TEXT_FORMATS[fmt], v))]
+        if not ok:
+            raise ValueError(f"{where}: none of its enum / const values is a string its "
+                             "schema allows")
+        bad = [v for v in ok if any(f in v for f in RAW_FORBIDDEN)]
+        if bad:
+            raise ValueError(f"{where}: enum / const value {bad[0]!r} holds a closing tag and "
+                             "cannot be written as raw text")
+        alts = " | ".join(_lark_str(v) for v in ok)
+        return f'{rule}: {_lark_str(head)} ({alts}) {_lark_str(PARAM_END)}\n'
+    parts = [f"/(?s:.{{{lo},{'' if hi is None else hi}}})/" if lo or hi is not None
+             else "/(?s:.*)/"]
+    if pattern is not None:
+        try:
+            regex = _search_regex(pattern)
+            check_grammar(_llg().LLMatcher.grammar_from_lark(f"start: v\nv: /{regex}/\n"))
+        except ValueError as e:
+            why = [ln for ln in str(e).splitlines() if ln.startswith("error:")]
+            raise ValueError(f"{where}: 'pattern' {pattern!r} cannot be enforced: "
+                             f"{why[0] if why else str(e).splitlines()[0]}") from None
+        parts.append(f"/{regex}/")
+    if fmt is not None:
+        parts.append(f"/{TEXT_FORMATS[fmt]}/")
+    parts.append(f"/{_avoiding(RAW_FORBIDDEN)}/")
+    return (f'{rule}: {_lark_str(head)} {rule}_v\n'
+            f'{rule}_v[suffix={_lark_str(PARAM_END)}]: {" & ".join(parts)}\n')
+
+
+def _param_rule(rule: str, fname: str, pname: str, schema: Any, defs: dict) -> str:
+    """Lark for one qwen3_coder `<parameter=P>` element: a value written as raw text
+    (serving.tool_parser.written_as_text: a string type, or no type and no composition) is
+    `_text_rule`'s; any other is JSON following its schema (with the parameters' $defs, for
+    its $refs), llguidance's %json, what serving.tool_parser.convert_value reads back.
+    ValueError naming the tool, the parameter and the keyword that cannot be enforced."""
+    from mtpjax.serving.tool_parser import written_as_text
+    where = f"tool {fname!r}, parameter {pname!r}"
+    if schema is True or schema == {}:
+        schema = {}
+    if not isinstance(schema, dict):
+        raise ValueError(f"{where}: its schema must be an object, got {json.dumps(schema)}")
+    head = f"<parameter={pname}>\n"
+    if written_as_text(schema):
+        return _text_rule(rule, head, where, schema)
     sub = {**schema, "x-guidance": {**JSON_LAYOUT, **schema.get("x-guidance", {})}}
-    return (f'{rule}: {head} {rule}_v {tail}\n'
+    for key, value in defs.items():
+        sub.setdefault(key, value)
+    found = unenforced_keyword(sub)
+    if found is not None:
+        raise ValueError(f"{where}: keyword {found[1]!r}{' at ' + found[0] if found[0] else ''}"
+                         " cannot be enforced (llguidance does not implement it)")
+    try:
+        json_schema_grammar(sub)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    return (f'{rule}: {_lark_str(head)} {rule}_v {_lark_str(PARAM_END)}\n'
             f'{rule}_v: %json {json.dumps(sub)}\n')
 
 
-def tool_call_grammar(tools: list[dict], name: str | None = None,
-                      thinking: bool = False, parallel: bool = False) -> str:
-    """The grammar of one qwen3_coder XML tool call (serving/tool_parser.py's format) of one of
-    `tools` (OpenAI tool dicts), or of the function `name`: `<tool_call>`, `<function=NAME>`,
-    the schema's required parameters and any of its optional ones, in the schema's order, each
-    value following its schema, `</function>`, `</tool_call>`. With parallel, one or more such
-    calls (each of any of the tools), separated by a newline as the chat template writes an
-    assistant's calls; the model ends the reply after any of them. With thinking, free
-    reasoning up to `</think>` and a blank line come first. ValueError for an unknown name or
-    a schema llguidance cannot compile."""
+def _function_rules(i: int, fname: str, params: Any) -> list[str]:
+    """Lark of `<function=NAME>`, the parameters in the schema's order (the required ones,
+    any of the others), `</function>` (rule f{i}); ValueError naming what cannot be enforced."""
+    if not isinstance(params, dict):
+        raise ValueError(f"tool {fname!r}: parameters must be a JSON schema object")
+    for key in params:
+        if not (_is_note(key) or key in _FUNCTION):
+            raise ValueError(f"tool {fname!r}: parameters keyword {key!r} cannot be enforced "
+                             "on a tool call (one <parameter=...> element per property)")
+    props = params.get("properties") or {}
+    required = params.get("required") or []
+    missing = [r for r in required if r not in props]
+    if missing:
+        raise ValueError(f"tool {fname!r}: 'required' names {missing[0]!r}, which is not one "
+                         "of its 'properties' (a call writes only those)")
+    defs = {k: params[k] for k in ("$defs", "definitions") if k in params}
+    rules, parts = [], []
+    for j, (pname, ps) in enumerate(props.items()):
+        if not isinstance(pname, str) or not pname or any(c in pname for c in "<>\n"):
+            raise ValueError(f"tool {fname!r}: parameter name {pname!r} cannot be written "
+                             "as a qwen3_coder <parameter=...> tag")
+        rule = f"p{i}_{j}"
+        rules.append(_param_rule(rule, fname, pname, ps, defs))
+        parts.append(rule if pname in required else f"{rule}?")
+    rules.append(f'f{i}: {_lark_str(f"<function={fname}>" + chr(10))} {" ".join(parts)} '
+                 '"</function>\\n"\n')
+    return rules
+
+
+def tool_call_grammar(tools: list[dict], name: str | None = None, thinking: bool = False,
+                      parallel: bool = False, auto: bool = False,
+                      content: dict | None = None) -> str:
+    """The grammar of qwen3_coder XML tool calls (serving/tool_parser.py's format) of `tools`
+    (OpenAI tool dicts), or of the function `name`: `<tool_call>`, `<function=NAME>`, the
+    schema's required parameters and any of its optional ones, in the schema's order, each
+    value following its schema (`_param_rule`), `</function>`, `</tool_call>`.
+
+    One call; with parallel, one or more, separated by a newline as the chat template writes
+    an assistant's calls (the model ends the reply after any of them). With auto (tool_choice
+    "auto" with a strict tool, or with a response_format), the calls are optional: the reply
+    is either free text without `<tool_call>`, or free text and then the calls -- or, with
+    content (a JSON schema: the response_format's), either that JSON or the calls. With
+    thinking, free reasoning up to `</think>` and a blank line come first. ValueError for an
+    unknown name, or naming the tool, parameter and keyword that cannot be enforced."""
     fns = {t["function"]["name"]: t["function"].get("parameters") or {} for t in tools}
     if name is not None:
         if name not in fns:
@@ -335,33 +566,33 @@ def tool_call_grammar(tools: list[dict], name: str | None = None,
         fns = {name: fns[name]}
     if not fns:
         raise ValueError("tool calls need at least one tool")
-    rules, alts = [], []
+    rules = []
     for i, (fname, params) in enumerate(fns.items()):
-        props = params.get("properties") or {}
-        required = set(params.get("required") or ())
-        if params.get("additionalProperties", True) is not False and not props:
-            props = {}
-        parts = []
-        for j, (pname, ps) in enumerate(props.items()):
-            if not isinstance(pname, str) or not pname or any(c in pname for c in "<>\n"):
-                raise ValueError(f"tool {fname!r}: parameter name {pname!r} cannot be written "
-                                 "as a qwen3_coder <parameter=...> tag")
-            if isinstance(ps, dict) and ps.get("type") not in (None, "string"):
-                json_schema_grammar(ps)          # the parameter's schema compiles
-            rule = f"p{i}_{j}"
-            rules.append(_param_rule(rule, pname, ps if isinstance(ps, dict) else {}))
-            parts.append(rule if pname in required else f"{rule}?")
-        head = _lark_str(f"<function={fname}>\n")
-        rules.append(f'f{i}: {head} {" ".join(parts)} "</function>\\n"\n')
-        alts.append(f"f{i}")
-    call = f'call: "<tool_call>\\n" ({" | ".join(alts)}) "</tool_call>"\n'
-    if parallel:
-        call += 'calls: call ("\\n" call)*\n'
-    calls = "calls" if parallel else "call"
+        rules += _function_rules(i, fname, params)
+    fn = " | ".join(f"f{i}" for i in range(len(fns)))
+    more = ' ("\\n" call)*' if parallel else ""
+    lark = (f'calls: call{more}\n'
+            f'call: "<tool_call>\\n" fn "</tool_call>"\n'
+            f'fn: {fn}\n')
+    if not auto:
+        reply = "calls"
+    elif content is not None:
+        json_schema_grammar(content)          # the schema's own errors, named as such
+        content = {**content, "x-guidance": {**JSON_LAYOUT, **content.get("x-guidance", {})}}
+        reply = "reply"
+        lark += f'reply: content | calls\ncontent: %json {json.dumps(content)}\n'
+    else:
+        # text without a call, or text up to the first "<tool_call>" (a suffix= lexeme: no
+        # "<tool_call>" before it, as the parser takes the first one) and then the calls
+        reply = "reply"
+        no_call = f"/{_avoiding(['<tool_call>'])}/"
+        lark += (f'reply: TEXT? | pre fn "</tool_call>"{more}\n'
+                 f'TEXT: /(?s:.+)/ & {no_call}\n'
+                 f'pre[suffix="<tool_call>\\n"]: {no_call}\n')
     if thinking:
-        start = (f'start: think "\\n\\n" {calls}\n'
+        start = (f'start: think "\\n\\n" {reply}\n'
                  f'think[suffix={_lark_str(THINK_END)}]: /(?s:.*)/\n')
     else:
-        start = f"start: {calls}\n"
-    lark = start + call + "".join(rules)
+        start = f"start: {reply}\n"
+    lark = start + lark + "".join(rules)
     return check_grammar(_llg().LLMatcher.grammar_from_lark(lark))

@@ -5,7 +5,8 @@ tiny checkpoint on a speculative engine), while clients walk away and device ste
 Each loop is an agent turn pair: a chat with tools (tool_choice "required", a named function:
 both decode under the tool-call grammar, so the call parses; or "auto") -> the call (the
 model's, or a made-up one when the reply had none) and a `role: tool` result -> a final answer,
-plain or with response_format json_schema (structured output). Requests stream or not. Some
+plain or with response_format json_schema (structured output; with the tools under "auto":
+the JSON or a call). Requests stream or not. Some
 clients disconnect: a stream closed after its first delta, a request with a short timeout.
 Engine programs fail on a fixed schedule (two decode steps, a prefill chunk alone, a snapshot
 save; `FaultInjector`, as tests/test_serving_faults.py injects them: the program runs, deleting
@@ -359,11 +360,12 @@ def expected(res: Result, out, tok, eos) -> dict:
     if out.finish_reason == "stop" and ids and ids[-1] in (
             set(res.parsed.params.stop_token_ids) | set(eos)):
         ids = ids[:-1]
-    msg = chat_message(tok.decode(ids, True), False, TOOLS)
+    forced = res.parsed.forced_call, res.parsed.forced_name
+    msg = chat_message(tok.decode(ids, True), False, TOOLS, True, *forced)
     calls = [(c["function"]["name"], c["function"]["arguments"])
              for c in msg.get("tool_calls", ())]
     return {"content": msg["content"] or "", "calls": calls,
-            "finish": finish_reason(out, bool(calls)),
+            "finish": finish_reason(out, bool(calls), forced[0]),
             "completion_tokens": len(out.token_ids)}
 
 
@@ -479,6 +481,10 @@ def test_agent_loops_under_disconnects_and_step_failures(live):
         assert got == want, (res.loop, res.turn, res.stream)
         if res.body.get("response_format") and res.finish == "stop":
             assert matches(json.loads(res.content), ANSWER), res.content
+            structured += 1
+        elif res.body.get("response_format") and res.finish == "tool_calls":
+            # response_format with tools under "auto": the JSON or calls (parsing.tool_grammar)
+            assert all(n == "lookup" and matches(json.loads(a), LOOKUP) for n, a in res.calls)
             structured += 1
         if res.turn == 0 and res.body["tool_choice"] != "auto":
             if res.finish == "tool_calls":

@@ -56,22 +56,25 @@ class Handle:
             yield Delta((0,), p)
 
 
-def request(thinking, tools, stream=False, parallel=True):
+def request(thinking, tools, stream=False, parallel=True, forced=False, name=None):
     return ParsedRequest([1], None, (), stream, False, thinking, True, tools,
-                         parallel_tool_calls=parallel)
+                         parallel_tool_calls=parallel, forced_call=forced, forced_name=name)
 
 
-def body(text, thinking=False, tools=TOOLS, finish="stop", parallel=True):
-    b = final_body("chat", Output(text, finish), request(thinking, tools, parallel=parallel),
-                   HEAD)
+def body(text, thinking=False, tools=TOOLS, finish="stop", parallel=True, forced=False,
+         name=None):
+    b = final_body("chat", Output(text, finish), request(thinking, tools, parallel=parallel,
+                                                         forced=forced, name=name), HEAD)
     ChatCompletion.model_validate(b)
     return b
 
 
-def stream(text, thinking=False, tools=TOOLS, finish="stop", size=3, parallel=True):
+def stream(text, thinking=False, tools=TOOLS, finish="stop", size=3, parallel=True,
+           forced=False, name=None):
     async def collect():
         return [e async for e in chat_chunks(Handle(text, finish, size),
-                                             request(thinking, tools, True, parallel), HEAD)]
+                                             request(thinking, tools, True, parallel, forced,
+                                                     name), HEAD)]
     events = asyncio.run(collect())
     assert events[-1] == "data: [DONE]\n\n"
     chunks = [json.loads(e.removeprefix("data: ")) for e in events[:-1]]
@@ -160,6 +163,41 @@ def test_no_call_unclosed_call_and_no_tools_are_plain_content():
         assert (got["content"], got["tool_calls"], got_finish) == (text, [], finish)
 
 
+@pytest.mark.parametrize("thinking", [False, True])
+@pytest.mark.parametrize("cut, want", [
+    (96, {"city": "Oslo", "days": 3}), (60, {"city": "Oslo"}), (55, {"city": "Osl"}),
+    (50, {}), (25, {}), (14, {})], ids=["in_days_tag", "in_city_tag", "in_city", "in_param",
+                                       "in_name", "in_function_tag"])
+def test_a_forced_call_cut_off_by_max_tokens_is_a_call_with_finish_length(thinking, cut, want):
+    """tool_choice "required" / named, output cut by max_tokens: tool_calls with the arguments
+    written so far, finish_reason "length", no markup in the content, streamed and not.
+    (Today's code returned the XML as content, tool_calls null.)"""
+    text = ("plan\n</think>\n\n" if thinking else "") + CALL[:cut]
+    for name in (None, "get_weather"):
+        b = body(text, thinking, finish="length", forced=True, name=name)
+        (choice,) = b["choices"]
+        msg = choice["message"]
+        assert choice["finish_reason"] == "length"
+        assert msg["content"] in (None, "\n\n"), msg       # thinking: the blank line
+        (call,) = msg["tool_calls"]
+        assert call["function"]["name"] == "get_weather"
+        assert json.loads(call["function"]["arguments"]) == want
+        for size in (1, 4, 1000):
+            got, finish = reassemble(stream(text, thinking, finish="length", size=size,
+                                            forced=True, name=name))
+            assert finish == "length" and got["content"] == (msg["content"] or "")
+            assert without_ids(got["tool_calls"]) == without_ids(msg["tool_calls"])
+
+
+def test_a_complete_forced_call_then_cut_drops_the_partial_marker():
+    text = CALL + "\n<tool_"
+    b = body(text, finish="length", forced=True)
+    assert b["choices"][0]["finish_reason"] == "length"
+    assert b["choices"][0]["message"]["content"] is None
+    got, finish = reassemble(stream(text, finish="length", size=2, forced=True))
+    assert (got["content"], finish) == ("", "length") and len(got["tool_calls"]) == 1
+
+
 # ------------------------------------------------- tool_choice "required" / named, end to end
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CKPT = os.path.join(REPO, "checkpoints", "tiny")
@@ -208,6 +246,34 @@ def test_speculative_forced_call_equals_plain():
     assert spec.stats.drafted_tokens > 0
     _, calls = parse_tool_calls(tok.decode(spec.token_ids), FORCED_TOOLS)
     check_call(calls[0])
+
+
+@pytest.mark.parametrize("mode", ["strict", "response_format"])
+def test_speculative_auto_grammar_equals_plain(mode):
+    """"auto" with a strict tool / with a response_format decodes under a grammar (free text or
+    calls; the JSON or calls): the K-draft engine's tokens are the plain engine's, and the
+    reply parses (a call following its schema, or the JSON). (Runs before `served`.)"""
+    from mtpjax.serving.chat_template import load_chat_template
+    from mtpjax.serving.parsing import ServerLimits, parse_chat
+    from mtpjax.text import Tokenizer
+    tok, template = Tokenizer.from_checkpoint(CKPT), load_chat_template(CKPT)
+    tools = [FORCED_TOOLS[0] | {"function": FORCED_TOOLS[0]["function"] | {"strict": True}},
+             FORCED_TOOLS[1]]
+    extra = {"tools": tools} if mode == "strict" else {"response_format": {
+        "type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}}
+    body = forced_body("auto", temperature=1.0, seed=5, max_tokens=60) | extra
+    r = parse_chat(body, ServerLimits("tiny", 4096, ENGINE["max_seq_len"]), tok, template)
+    assert r.params.grammar is not None
+    (spec,) = engine(K).generate([r.prompt_ids], r.params)
+    (plain,) = engine(0).generate([r.prompt_ids], r.params)
+    assert spec.token_ids == plain.token_ids and spec.error is None
+    assert spec.stats.drafted_tokens > 0
+    text = tok.decode(spec.token_ids)
+    content, calls = parse_tool_calls(text, tools)
+    for call in calls:
+        check_call(call)
+    if mode == "response_format" and not calls and spec.finish_reason == "stop":
+        assert matches(json.loads(content), WEATHER)
 
 
 def test_parallel_call_grammar_allows_several_calls_that_parse():
@@ -318,7 +384,8 @@ def test_forced_call_is_a_parsed_call_following_the_schema(served, choice, paral
                                                           temperature):
     """One call ("required" with parallel_tool_calls false, a named function), or one or more
     ("required", parallel by default): the tiny model rarely stops after a call, so there a
-    further call may be cut short by max_tokens and stay in the content, unparsed."""
+    further call may be cut short by max_tokens: it comes back as a call with the arguments
+    so far and finish_reason "length", never as markup in the content."""
     http = served[0]
     several = choice == "required" and parallel
     kw = dict(temperature=temperature, parallel_tool_calls=parallel)
@@ -326,20 +393,21 @@ def test_forced_call_is_a_parsed_call_following_the_schema(served, choice, paral
     assert status == 200, b
     ChatCompletion.model_validate(b)
     (c,) = b["choices"]
-    assert c["finish_reason"] == "tool_calls", c
     content, calls = c["message"]["content"], c["message"]["tool_calls"]
-    if several:
-        assert content is None or content.startswith("<tool_call>"), content
-    else:
-        assert content is None and len(calls) == 1
-    for call in calls:
+    cut = c["finish_reason"] == "length"
+    assert c["finish_reason"] == "tool_calls" or (several and cut), c
+    assert content is None and (several or len(calls) == 1), c
+    for i, call in enumerate(calls):
+        if cut and i == len(calls) - 1:          # the call max_tokens cut: its name is right
+            assert call["function"]["name"] in SCHEMAS
+            continue
         name, args = check_call(call, None if choice == "required" else
                                 choice["function"]["name"])
         if name == "noop":
             assert args == {}
     _, chunks = post(http, forced_body(choice, stream=True, **kw))
     msg, finish = reassemble(chunks)
-    assert finish == "tool_calls" and msg["content"] == (content or "")
+    assert finish == c["finish_reason"] and msg["content"] == ""
     assert without_ids(msg["tool_calls"]) == without_ids(calls)
     indexes = [t["index"] for ch in chunks for t in ch["choices"][0]["delta"].get(
         "tool_calls", []) if "id" in t]
@@ -395,3 +463,114 @@ def test_forced_call_grammar_follows_thinking(served):
             assert r.params.grammar == grammar.tool_call_grammar(
                 FORCED_TOOLS, name, parallel=parallel and name is None)
             assert r.parallel_tool_calls == (parallel and name is None)
+
+
+# ------------------------------------------------- schemas, strict, response_format (issue 38)
+def _parse(**fields):
+    from mtpjax.serving.chat_template import load_chat_template
+    from mtpjax.serving.parsing import ServerLimits, parse_chat
+    from mtpjax.text import Tokenizer
+    tok, template = Tokenizer.from_checkpoint(CKPT), load_chat_template(CKPT)
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+            "chat_template_kwargs": {"enable_thinking": False}, **fields}
+    return parse_chat(body, ServerLimits("tiny", 4096, ENGINE["max_seq_len"]), tok, template)
+
+
+def _tool(params, strict=None, name="f"):
+    fn = {"name": name, "parameters": {"type": "object", **params}}
+    return {"type": "function", "function": fn | ({} if strict is None else {"strict": strict})}
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"properties": {"to": {"type": "string", "format": "email"}}},
+     "tool 'f', parameter 'to': keyword 'format' 'email'"),
+    ({"properties": {"xs": {"type": "array", "contains": {"type": "integer"}}}},
+     "tool 'f', parameter 'xs': keyword 'contains'"),
+    ({"properties": {"o": {"type": "object", "propertyNames": {"maxLength": 2}}}},
+     "tool 'f', parameter 'o': keyword 'propertyNames'"),
+    ({"properties": {}, "patternProperties": {"^x": {}}}, "parameters keyword 'patternProperties'"),
+])
+@pytest.mark.parametrize("choice, strict", [("required", None), ("auto", True)])
+def test_a_keyword_no_grammar_enforces_is_a_400_naming_it(params, match, choice, strict):
+    """Forced calls and strict tools: a schema keyword the call's grammar cannot enforce is a
+    400 on 'tools' naming the tool, the parameter and the keyword (today: silently dropped)."""
+    from mtpjax.serving.protocol import APIError
+    with pytest.raises(APIError) as e:
+        _parse(tools=[_tool(params, strict)], tool_choice=choice)
+    assert e.value.param == "tools" and match in e.value.message, e.value.message
+    # "auto" without strict constrains nothing: the schema is the prompt's, and no 400
+    assert _parse(tools=[_tool(params)], tool_choice="auto").params.grammar is None
+
+
+def test_strict_under_auto_constrains_the_calls():
+    """tools[].function.strict true under "auto": the reply is free text or text and calls
+    whose arguments follow the schemas (grammar.tool_call_grammar(auto=True)); strict false or
+    absent leaves "auto" free."""
+    from mtpjax import grammar
+    strict = [FORCED_TOOLS[0] | {"function": FORCED_TOOLS[0]["function"] | {"strict": True}},
+              FORCED_TOOLS[1]]
+    r = _parse(tools=strict)
+    assert r.params.grammar == grammar.tool_call_grammar(r.tools, parallel=True, auto=True)
+    assert not r.forced_call
+    assert _parse(tools=FORCED_TOOLS).params.grammar is None
+    loose = [FORCED_TOOLS[0] | {"function": FORCED_TOOLS[0]["function"] | {"strict": False}}]
+    assert _parse(tools=loose).params.grammar is None
+
+
+def test_response_format_with_tools_allows_the_call():
+    """response_format with tools under "auto": the reply is the JSON or tool calls (today a
+    call was impossible); with "none" it is the JSON alone; forced: a 400 naming it."""
+    from mtpjax import grammar
+    from mtpjax.serving.protocol import APIError
+    rf = {"type": "json_schema", "json_schema": {"name": "r", "schema": WEATHER}}
+    r = _parse(tools=FORCED_TOOLS, response_format=rf)
+    assert r.params.grammar == grammar.tool_call_grammar(r.tools, parallel=True, auto=True,
+                                                         content=WEATHER)
+    assert _parse(tools=FORCED_TOOLS, response_format=rf, tool_choice="none").params.grammar \
+        == grammar.json_schema_grammar(WEATHER)
+    with pytest.raises(APIError) as e:
+        _parse(tools=FORCED_TOOLS, response_format=rf, tool_choice="required")
+    assert e.value.param == "response_format" and "tool_choice" in e.value.message
+    bad = {"type": "json_schema", "json_schema": {"name": "r", "schema": {"type": "objectx"}}}
+    with pytest.raises(APIError) as e:
+        _parse(tools=FORCED_TOOLS, response_format=bad)
+    assert e.value.param == "response_format"
+
+
+def test_served_forced_call_cut_by_max_tokens(served):
+    """End to end: a forced call that max_tokens cuts is tool_calls with finish "length", its
+    content free of markup, streamed the same."""
+    http = served[0]
+    for choice in ("required", NAMED):
+        status, b = post(http, forced_body(choice, max_tokens=12, parallel_tool_calls=False))
+        assert status == 200, b
+        (c,) = b["choices"]
+        assert c["finish_reason"] == "length" and c["message"]["content"] is None, c
+        (call,) = c["message"]["tool_calls"]
+        assert call["function"]["name"] == ("get_weather" if choice == NAMED else
+                                             call["function"]["name"]) and \
+            call["function"]["name"] in SCHEMAS
+        assert isinstance(json.loads(call["function"]["arguments"]), dict)
+        _, chunks = post(http, forced_body(choice, max_tokens=12, parallel_tool_calls=False,
+                                           stream=True))
+        msg, finish = reassemble(chunks)
+        assert finish == "length" and msg["content"] == ""
+        assert without_ids(msg["tool_calls"]) == without_ids(c["message"]["tool_calls"])
+
+
+def test_served_response_format_with_tools(served):
+    """"auto" + response_format + tools: the reply is a parsed call or the schema's JSON (or,
+    cut by max_tokens, the beginning of either)."""
+    http = served[0]
+    rf = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER}}
+    for temperature in (0.0, 1.0):
+        status, b = post(http, forced_body("auto", response_format=rf, max_tokens=110,
+                                           temperature=temperature))
+        assert status == 200, b
+        (c,) = b["choices"]
+        if c["message"].get("tool_calls"):
+            check_call(c["message"]["tool_calls"][0])
+        elif c["finish_reason"] == "stop":
+            assert matches(json.loads(c["message"]["content"]), WEATHER)
+        else:
+            assert c["message"]["content"].startswith(("{", "<tool_call>")), c

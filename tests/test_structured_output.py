@@ -487,17 +487,18 @@ def test_tool_call_grammar_string_length_closes_anywhere_within_bounds(tok, llt,
         "required": ["s"]}}}]
     g = grammar.tool_call_grammar(tools)
     head = "<tool_call>\n<function=f>\n<parameter=s>\n"
-    opens_tag = [i for i in range(4096) if tok.decode([i]).startswith("<")]
     for n in range(0, (hi if hi is not None else lo + 4) + 3):
         text = head + "x" * n + "\n</parameter>\n</function>\n</tool_call>"
         c = grammar.Constraint(llt, g, 4096)
         ok = all(c.consume(t) is None for t in tok.encode(text)) and c.stopped
         assert ok == (lo <= n and (hi is None or n <= hi)), (n, lo, hi)
-        if hi is None or n <= hi:       # after the value and a newline, "<" closes it
+        if hi is None or n <= hi:       # the mask offers each token of the closing tag
             c = grammar.Constraint(llt, g, 4096)
-            assert all(c.consume(t) is None for t in tok.encode(head + "x" * n + "\n"))
-            closes = any(grammar.allowed(c.mask(), i) for i in opens_tag)
-            assert closes == (n >= lo), (n, lo, hi)
+            assert all(c.consume(t) is None for t in tok.encode(head + "x" * n))
+            offered = True
+            for t in tok.encode("\n</parameter>\n"):
+                offered = offered and grammar.allowed(c.mask(), t) and c.consume(t) is None
+            assert offered == (n >= lo), (n, lo, hi)
 
 
 @pytest.mark.parametrize("which", ["json", "tool_call"])
@@ -512,3 +513,194 @@ def test_thinking_grammars_roll_back(tok, llt, which):
     masks = c.step_masks(ids[1:])          # advances through the drafts and rolls back
     assert all(grammar.allowed(masks[j], t) for j, t in enumerate(ids[1:]))
     assert all(c.consume(t) is None for t in ids[1:])
+
+
+# ------------------------------------------- tool arguments as the schema says (issue 38)
+def _call_text(name, **params):
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+def _accepts(llt, tok, g, text):
+    c = grammar.Constraint(llt, g, 4096)
+    return all(c.consume(t) is None for t in tok.encode(text)) and c.accepting
+
+
+WRITE = [{"type": "function", "function": {"name": "write_file", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string", "pattern": r"^[\w./-]+$"},
+                                     "text": {"type": "string"}},
+    "required": ["path", "text"], "additionalProperties": False}}}]
+ANY_TEXT = ["<html>\n  <p>a < b && c > d</p>\n</html>\n", "List<Map<K, V>> xs;", "",
+            "\n\nblank lines\n\n", "</function> and </think> are fine", "<parameter=path>"]
+
+
+@pytest.mark.parametrize("mode", ["required", "named", "thinking", "auto_strict"])
+def test_string_arguments_hold_any_text_in_every_mode(tok, llt, mode):
+    """A string argument may hold any text ('<', tags, newlines), and parses back to exactly
+    that text; only the closing tags it would end at are refused."""
+    from mtpjax.serving.tool_parser import parse_tool_calls
+    g = grammar.tool_call_grammar(WRITE, "write_file" if mode == "named" else None,
+                                  thinking=mode == "thinking", auto=mode == "auto_strict")
+    pre = "plan\n</think>\n\n" if mode == "thinking" else ""
+    for value in ANY_TEXT:
+        call = _call_text("write_file", path="a/b.html", text=value)
+        assert _accepts(llt, tok, g, pre + call), value
+        (got,) = parse_tool_calls(call, WRITE)[1]
+        assert json.loads(got["function"]["arguments"]) == {"path": "a/b.html", "text": value}
+    for value in ("a</parameter>b", "x</tool_call>"):
+        assert not _accepts(llt, tok, g, pre + _call_text("write_file", path="a", text=value))
+
+
+def test_string_argument_rolls_back(tok, llt):
+    """Speculative decoding rolls the matcher back after every step: the value's suffix=
+    lexeme allows it."""
+    ids = tok.encode(_call_text("write_file", path="p", text="a <b>\nc"))
+    c = grammar.Constraint(llt, grammar.tool_call_grammar(WRITE), 4096)
+    for i in range(0, len(ids), 4):
+        masks = c.step_masks(ids[i:i + 4])
+        assert all(grammar.allowed(masks[j], t) for j, t in enumerate(ids[i:i + 4]))
+        assert all(c.consume(t) is None for t in ids[i:i + 4])
+    assert c.stopped
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"type": "string", "pattern": "ab"}, ["ab", "xaby", "<ab>"], ["a", "ba"]),
+    ({"type": "string", "pattern": "^a+$"}, ["a", "aaa"], ["ab", "ba", ""]),
+    ({"type": "string", "pattern": "^v\\d"}, ["v1", "v2 <x>"], ["xv1"]),
+    ({"type": "string", "pattern": "[0-9]{2}$", "maxLength": 4}, ["12", "a<12"], ["123a", "aa123"]),
+    ({"anyOf": [{"type": "integer"}, {"type": "null"}]}, ["3", "null"], ['"s"', "x"]),
+    ({"oneOf": [{"type": "integer"}, {"type": "boolean"}]}, ["3", "true"], ['"s"']),
+    ({"type": "object", "properties": {"d": {"type": "string", "format": "date"}},
+      "required": ["d"], "additionalProperties": False},
+     ['{"d": "2024-01-31"}'], ['{"d": "soon"}', '{"d": "2024-01-31", "e": 1}']),
+    ({"$ref": "#/$defs/pos"}, ["2"], ["-1"]),
+], ids=["unanchored", "anchored", "start", "end_len", "anyOf", "oneOf", "format", "ref"])
+def test_tool_call_grammar_enforces_schema_keywords(tok, llt, schema, good, bad):
+    """pattern (JSON Schema's: unanchored unless ^ / $) on raw text; anyOf, oneOf, $ref (to
+    the parameters' $defs), format and additionalProperties inside JSON values."""
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"v": schema}, "required": ["v"],
+        "$defs": {"pos": {"type": "integer", "minimum": 0}}}}}]
+    g = grammar.tool_call_grammar(tools)
+    for v in good:
+        assert _accepts(llt, tok, g, _call_text("f", v=v)), v
+    for v in bad:
+        assert not _accepts(llt, tok, g, _call_text("f", v=v)), v
+
+
+def test_additional_properties_false_at_the_parameters_level(tok, llt):
+    g = grammar.tool_call_grammar(WRITE)
+    extra = _call_text("write_file", path="p", text="t", mode="w")
+    assert not _accepts(llt, tok, g, extra)
+    assert not _accepts(llt, tok, g, _call_text("write_file", path="a b", text="t"))  # pattern
+
+
+@pytest.mark.parametrize("params, match", [
+    ({"properties": {"d": {"type": "string", "format": "email"}}},
+     "parameter 'd': keyword 'format' 'email'"),
+    ({"properties": {"s": {"type": "string", "anyOf": [{"maxLength": 2}]}}},
+     "parameter 's': keyword 'anyOf'"),
+    ({"properties": {"xs": {"type": "array", "uniqueItems": True}}},
+     "parameter 'xs': keyword 'uniqueItems'"),
+    ({"properties": {"o": {"type": "object", "properties": {"a": {"maxLenght": 3}}}}},
+     "parameter 'o': keyword 'maxLenght' at .properties.a"),
+    ({"properties": {"n": {"type": "integer", "not": {"const": 3}}}},
+     "parameter 'n': keyword 'not'"),
+    ({"properties": {"s": {"type": "string", "pattern": "a|^b"}}}, "parameter 's': 'pattern'"),
+    ({"properties": {"s": {"type": "string", "pattern": "(?<=a)b"}}}, "look-around"),
+    ({"properties": {"s": {"enum": ["</parameter>"]}}}, "closing tag"),
+    ({"properties": {"r": {"$ref": "#/$defs/d"}}, "$defs": {"d": {"type": "integer",
+                                                                  "exclusiveMax": 3}}},
+     "parameter 'r': keyword 'exclusiveMax' at .$defs.d"),
+    ({"properties": {}, "minProperties": 1}, "parameters keyword 'minProperties'"),
+    ({"properties": {}, "anyOf": [{"required": ["a"]}]}, "parameters keyword 'anyOf'"),
+    ({"properties": {"a": {}}, "required": ["b"]}, "'required' names 'b'"),
+], ids=lambda x: x if isinstance(x, str) and len(x) < 40 else None)
+def test_tool_call_grammar_refuses_a_keyword_it_cannot_enforce_by_name(params, match):
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", **params}}}]
+    with pytest.raises(ValueError, match="tool 'f'") as e:
+        grammar.tool_call_grammar(tools)
+    assert match in str(e.value), str(e.value)
+
+
+def test_auto_grammar_free_text_or_text_then_calls(tok, llt):
+    """tool_choice "auto" with a strict tool: free text, or free text and then calls that
+    follow their schemas; "<tool_call>" only as a call's start (where the parser reads one)."""
+    g = grammar.tool_call_grammar(WRITE, auto=True, parallel=True)
+    call = _call_text("write_file", path="p", text="<b>")
+    for text in ("", "Just text, a < b.", "Writing it.\n\n" + call, call + "\n" + call):
+        assert _accepts(llt, tok, g, text), text
+    for text in ("see <tool_call> here", "x " + call + " and more",
+                 _call_text("write_file", path="p q", text="t"),
+                 _call_text("write_file", text="t")):
+        assert not _accepts(llt, tok, g, text), text
+
+
+def test_response_format_with_tools_is_that_json_or_calls(tok, llt):
+    g = grammar.tool_call_grammar(WRITE, auto=True, content=SCHEMA, thinking=True)
+    js = '{"name": "x", "age": 3, "ok": true, "tags": ["a"]}'
+    pre = "hm\n</think>\n\n"
+    assert _accepts(llt, tok, g, pre + js)
+    assert _accepts(llt, tok, g, pre + _call_text("write_file", path="p", text="t"))
+    for text in ("plain", '{"name": 1}', "ok " + _call_text("write_file", path="p", text="t")):
+        assert not _accepts(llt, tok, g, pre + text), text
+
+
+FORMAT_SAMPLES = {
+    "date": ["2024-01-31", "2024-02-29", "2023-02-29", "2024-02-30", "2024-04-31", "2024-13-01",
+             "2024-1-01", "x"],
+    "time": ["12:30:00Z", "12:30:00+02:00", "12:30:00.5z", "23:59:60Z", "25:00:00Z",
+             "12:30:00", "12:30:00.Z"],
+    "date-time": ["2024-01-31T12:30:00Z", "2024-01-31t12:30:00.123+05:30",
+                  "2024-01-31 12:30:00Z", "2024-01-31T12:30:00"],
+    "uuid": ["123e4567-e89b-12d3-a456-426614174000", "123E4567-E89B-12D3-A456-426614174000",
+             "123e4567e89b12d3a456426614174000", "g23e4567-e89b-12d3-a456-426614174000"],
+    "ipv4": ["1.2.3.4", "255.255.255.255", "256.1.1.1", "01.2.3.4", "1.2.3"],
+}
+
+
+@pytest.mark.parametrize("fmt", sorted(grammar.TEXT_FORMATS))
+def test_raw_text_formats_agree_with_llguidance_json_formats(tok, llt, fmt):
+    """A string parameter's `format` (raw text, grammar.TEXT_FORMATS) allows what llguidance's
+    JSON-mode format allows, on each sample; and each format has accepted and refused ones."""
+    json_g = grammar.json_schema_grammar({"type": "string", "format": fmt})
+    call_g = grammar.tool_call_grammar([{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {
+            "v": {"type": "string", "format": fmt}}, "required": ["v"]}}}])
+    got = {v: _accepts(llt, tok, call_g, _call_text("f", v=v)) for v in FORMAT_SAMPLES[fmt]}
+    assert got == {v: _accepts(llt, tok, json_g, json.dumps(v)) for v in FORMAT_SAMPLES[fmt]}
+    assert any(got.values()) and not all(got.values())
+
+
+def test_json_arguments_parse_back_even_holding_a_closing_tag(tok, llt):
+    """A JSON argument's strings may hold `</parameter>` and `</tool_call>` (llguidance's JSON
+    allows them): the parser ends a JSON value where its JSON ends and a call at the first
+    `</tool_call>` where it parses, so the call parses back to what the grammar allowed (the
+    parser took the first of each and lost the call)."""
+    from mtpjax.serving.tool_parser import parse_tool_calls
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"o": {"type": "object", "properties": {
+            "html": {"type": "string"}}, "required": ["html"], "additionalProperties": False},
+            "s": {"type": "string"}}, "required": ["o", "s"]}}}]
+    g = grammar.tool_call_grammar(tools)
+    value = {"html": "<p>a</parameter>\n</tool_call></p>"}
+    text = _call_text("f", o=json.dumps(value), s="x")
+    assert _accepts(llt, tok, g, text)
+    (call,) = parse_tool_calls(text, tools)[1]
+    assert json.loads(call["function"]["arguments"]) == {"o": value, "s": "x"}
+
+
+@pytest.mark.parametrize("hi", [100, 5000, 100_000])
+def test_a_large_max_length_closes_at_any_length(tok, llt, hi):
+    """A string parameter with a large maxLength (and a pattern) closes after a short value
+    too: the closing tags are kept out of the value by a written-out automaton
+    (grammar._avoiding), not by a negation, which llguidance's lexer gave up on here ("too
+    many expressions constructed") for any bound above a few dozen."""
+    for schema in ({"type": "string", "maxLength": hi},
+                   {"type": "string", "maxLength": hi, "pattern": "^[^#]*$"}):
+        g = grammar.tool_call_grammar([{"type": "function", "function": {
+            "name": "f", "parameters": {"type": "object", "properties": {"v": schema}}}}])
+        for n in (0, 5, 300):
+            value = ("a <b>\n" * 60)[:n]
+            assert _accepts(llt, tok, g, _call_text("f", v=value)) == (n <= hi), (n, schema)

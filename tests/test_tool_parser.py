@@ -88,6 +88,14 @@ CASES = {
                         [("get_weather", {"city": "Oslo", "days": 3})]),
     "lone markers": ("a </tool_call> <tool_c b <tool_call", "a </tool_call> <tool_c b <tool_call",
                      []),
+    "json holding a tag": (block("calc", opts='{"a": "</parameter> <x>"}', x="1"), None,
+                           [("calc", {"opts": {"a": "</parameter> <x>"}, "x": 1})]),
+    "json holding the end": (block("calc", opts='{"a": "</tool_call> x"}') + " after",
+                             "after", [("calc", {"opts": {"a": "</tool_call> x"}})]),
+    "call never closing, then a call": (
+        "<tool_call>\n<function=calc>\nhi\n</function>\n</tool_call> and " + WEATHER + " z",
+        "<tool_call>\n<function=calc>\nhi\n</function>\n</tool_call> andz",
+        [("get_weather", {"city": "Oslo", "days": 3})]),
     "unicode": ("Prüfe… " + block("get_weather", city="Zürich"), "Prüfe…",
                 [("get_weather", {"city": "Zürich"})]),
 }
@@ -130,3 +138,62 @@ def test_stream_holds_only_what_is_undecided():
 
 def test_no_tools_means_no_calls():
     assert parse_tool_calls(WEATHER, None) == (WEATHER, [])
+
+
+# ------------------------------------------- raw text values and forced calls cut off
+def test_string_values_hold_any_text_but_the_closing_tags():
+    """A string value may hold '<', tags of its own, newlines: it ends at the first
+    </parameter> (what grammar.tool_call_grammar allows it to hold, and no more)."""
+    for value in ("a < b", "<html>\n<p>x</p>\n</html>", "List<int> xs;\n\n", "<parameter=x>",
+                  "</function>", "\n"):
+        text = block("get_weather", city=value, days="2")
+        content, calls = parse_tool_calls(text, TOOLS)
+        assert content is None and plain(calls) == [("get_weather", {"city": value, "days": 2})]
+        assert streamed(text, range(1, len(text)))[1][0]["function"] == calls[0]["function"]
+
+
+def test_values_are_text_or_json_by_one_rule():
+    from mtpjax.serving.tool_parser import convert_value, written_as_text
+    text = [{"type": "string"}, {"type": ["string", "null"]}, {}, {"description": "x"},
+            {"enum": ["a", "b"]}, {"type": "made-up"}]
+    json_ = [{"type": "integer"}, {"anyOf": [{"type": "integer"}, {"type": "string"}]},
+             {"oneOf": [{"type": "integer"}]}, {"$ref": "#/$defs/a"}, {"enum": ["a", 1]},
+             {"const": 3}, {"type": ["integer", "null"]}]
+    assert all(written_as_text(s) for s in text)
+    assert not any(written_as_text(s) for s in json_)
+    assert convert_value("3", {"anyOf": [{"type": "integer"}, {"type": "string"}]}) == 3
+    assert convert_value('"3"', {"anyOf": [{"type": "integer"}, {"type": "string"}]}) == "3"
+    assert convert_value("3", {"type": "string"}) == "3"
+
+
+CUT = "<tool_call>\n<function=get_weather>\n<parameter=city>\nOs"
+
+
+@pytest.mark.parametrize("text, want", [
+    (CUT, [("get_weather", {"city": "Os"})]),
+    (CUT + "lo\n</param", [("get_weather", {"city": "Oslo"})]),
+    (block("get_weather", city="Oslo") + "\n<tool_call>\n<function=calc>\n<parameter=x>\n2.5",
+     [("get_weather", {"city": "Oslo"}), ("calc", {"x": 2.5})]),
+    ("<tool_call>\n<function=get_w", [("get_weather", {})]),   # the only tool it can become
+    ("<tool_call>\n<function=", []),                           # two tools: no call
+    (WEATHER + "\n<tool_c", [("get_weather", {"city": "Oslo", "days": 3})]),
+])
+def test_a_forced_call_cut_off_is_a_call_and_no_markup(text, want):
+    """partial (tool_choice "required" / named): the block the text ends in is a call with
+    the arguments so far; nothing of the markup is content; the stream gives the same."""
+    content, calls = parse_tool_calls(text, TOOLS, partial=True)
+    assert content is None and plain(calls) == want
+    s = ToolCallStream(TOOLS, partial=True)
+    outs = [s.push(text[i:i + 3]) for i in range(0, len(text), 3)] + [s.flush()]
+    assert "".join(o[0] for o in outs) == ""
+    args = {}
+    for d in (d for o in outs for d in o[1]):
+        args[d["index"]] = args.get(d["index"], "") + d["function"]["arguments"]
+    assert [json.loads(args[i]) for i in sorted(args)] == [w[1] for w in want]
+    # without partial ("auto"), the unclosed block stays content as written
+    assert parse_tool_calls(CUT, TOOLS)[0] == CUT
+
+
+def test_a_named_forced_call_cut_in_its_tag_is_that_function():
+    _, calls = parse_tool_calls("<tool_call>\n<func", TOOLS, partial=True, name="calc")
+    assert plain(calls) == [("calc", {})]

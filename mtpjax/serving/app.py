@@ -18,8 +18,10 @@ Request flow:
      request with tools (tool_choice "auto", "required" or a named function: the last two
      decode under the tool-call grammar, so the call parses and its arguments follow the
      schema), the tool-call parser (`tool_parser`: qwen3_coder
-     XML -> `tool_calls`, finish_reason "tool_calls"); a `response_format` json_object /
-     json_schema request decodes under its grammar (mtpjax/grammar.py), so its content is JSON;
+     XML -> `tool_calls`, finish_reason "tool_calls"; a forced call cut off by max_tokens:
+     the arguments so far, finish_reason "length", no markup in content); a
+     `response_format` json_object / json_schema request decodes under its grammar
+     (mtpjax/grammar.py), so its content is JSON;
   4. a client that disconnects cancels its request: its pages return at the next engine step.
 
 `n` > 1: the request becomes n sibling engine requests submitted together (choice i samples
@@ -101,26 +103,33 @@ def completion_logprobs(records, tokenizer, offset: int = 0) -> dict | None:
 
 
 def chat_message(text: str, thinking: bool, tools: list[dict] | None = None,
-                 parallel: bool = True) -> dict:
+                 parallel: bool = True, forced: bool = False,
+                 forced_name: str | None = None) -> dict:
     """The assistant message of a generated text: the reasoning split first, then (with tools)
     the tool calls out of the content (`tool_parser`; all of them, indexes 0..n-1, or only the
-    first when the request's parallel_tool_calls is false)."""
+    first when the request's parallel_tool_calls is false). forced (tool_choice "required" /
+    the named function forced_name): a call cut off by max_tokens is a call with the
+    arguments written so far, and no tool-call markup is left in the content."""
     from mtpjax.text import split_reasoning
     reasoning, content = split_reasoning(text, thinking)
     msg = {"role": "assistant", "content": content}
     if thinking:
         msg["reasoning_content"] = reasoning
     if tools:
-        msg["content"], calls = parse_tool_calls(content or "", tools)
+        msg["content"], calls = parse_tool_calls(content or "", tools, partial=forced,
+                                                 name=forced_name)
         calls = calls if parallel else calls[:1]
         if calls:
             msg["tool_calls"] = calls
     return msg
 
 
-def finish_reason(out, called: bool) -> str:
+def finish_reason(out, called: bool, forced: bool = False) -> str:
     """OpenAI's finish_reason; "tool_calls" when the output called a tool (as vLLM: also when
-    it ran into max_tokens after the call)."""
+    it ran into max_tokens after the call), but "length" for a forced call (tool_choice
+    "required" / named) that max_tokens cut off: its arguments may be incomplete."""
+    if forced and out.finish_reason == "length":
+        return "length"
     if called and out.finish_reason in ("stop", "length"):
         return "tool_calls"
     return FINISH[out.finish_reason]
@@ -144,7 +153,7 @@ async def chat_chunks(handle: RequestHandle, req: ParsedRequest, head: dict, tok
     caller adds them once)."""
     from mtpjax.text import ReasoningStream
     split = ReasoningStream(req.enable_thinking)
-    calls = ToolCallStream(req.tools) if req.tools else None
+    calls = ToolCallStream(req.tools, req.forced_call, req.forced_name) if req.tools else None
 
     def chunk(delta, finish=None, logprobs=None):
         return sse({**head, "object": "chat.completion.chunk",
@@ -182,7 +191,8 @@ async def chat_chunks(handle: RequestHandle, req: ParsedRequest, head: dict, tok
     if out.finish_reason == "error":
         yield sse(_engine_error(out).body())
     else:
-        yield chunk({}, finish_reason(out, calls is not None and calls.num_calls > 0))
+        yield chunk({}, finish_reason(out, calls is not None and calls.num_calls > 0,
+                                      req.forced_call))
         if req.include_usage and tail:
             yield sse({**head, "object": "chat.completion.chunk", "choices": [],
                        "usage": usage(out)})
@@ -257,10 +267,11 @@ def final_body(kind: str, out, req: ParsedRequest, head: dict, tokenizer=None) -
         lps = getattr(o, "logprobs", None)
         if kind == "chat":
             msg = chat_message(o.text, req.enable_thinking, req.tools,
-                               req.parallel_tool_calls)
+                               req.parallel_tool_calls, req.forced_call, req.forced_name)
             choices.append({"index": i, "message": msg,
                             "logprobs": chat_logprobs(lps, tokenizer),
-                            "finish_reason": finish_reason(o, "tool_calls" in msg)})
+                            "finish_reason": finish_reason(o, "tool_calls" in msg,
+                                                           req.forced_call)})
         else:
             choices.append({"index": i, "text": o.text,
                             "logprobs": completion_logprobs(lps, tokenizer),

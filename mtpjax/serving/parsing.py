@@ -18,7 +18,11 @@ and `ParsedRequest.tools` asks the app to parse calls; "none" renders the chat w
 qwen3_coder tool calls (one or more of any of the tools with parallel_tool_calls, OpenAI's
 default, else one; one call of the named function) whose arguments follow the
 function's parameters schema, after free reasoning when thinking is on (`tool_grammar`,
-grammar.tool_call_grammar): the reply is that call, finish_reason "tool_calls".
+grammar.tool_call_grammar): the reply is that call, finish_reason "tool_calls" (a call cut
+off by max_tokens: the arguments so far, "length"; `ParsedRequest.forced_call`). "auto" with a
+`strict` tool, or with a response_format, is constrained too: free text or text and then
+calls, or that JSON or calls. A schema keyword the grammar cannot enforce is a 400 on 'tools'
+naming the tool, the parameter and the keyword.
 Structured output: `response_format` json_object / json_schema becomes the request's grammar
 (`response_grammar`, SamplingParams.grammar): the content is JSON (following the schema),
 after free reasoning when thinking is on; a schema llguidance cannot compile is a 400 on
@@ -60,6 +64,8 @@ class ParsedRequest:
     tools: list[dict] | None = None   # chat with tools (not "none"): parse calls for these
     n: int = 1                        # choices: sibling requests with seeds seed + i
     parallel_tool_calls: bool = True  # several calls may be returned (else only the first)
+    forced_call: bool = False         # tool_choice "required" / named: the reply is calls
+    forced_name: str | None = None    # the named tool_choice's function
 
     def sibling_params(self) -> list[SamplingParams]:
         """The SamplingParams of the n choices: choice i samples with seed + i (mod 2**32),
@@ -131,18 +137,37 @@ def response_grammar(req: ChatCompletionRequest) -> str | None:
 
 
 def tool_grammar(req: ChatCompletionRequest) -> str | None:
-    """The grammar of a chat request's tool_choice (None: "auto", "none" or no tools): one
-    qwen3_coder tool call of any of the tools ("required"; one or more with
-    parallel_tool_calls, OpenAI's default) or of the named function (one call), after free
-    reasoning up to `</think>` when thinking is on (grammar.tool_call_grammar). 400 on 'tools'
-    for a parameters schema llguidance cannot compile."""
+    """The grammar of a chat request's tools (None: no tools, "none", or "auto" with neither a
+    strict tool nor a response_format: calls are parsed out of free text, not constrained).
+
+    * tool_choice "required" / a named function: qwen3_coder tool calls, one or more of any of
+      the tools ("required" with parallel_tool_calls, OpenAI's default) or one (of the named
+      function, or parallel_tool_calls false);
+    * "auto" with a tool whose `strict` is true: free text without `<tool_call>`, or free
+      text and then such calls (every call in the reply follows its function's schema);
+    * "auto" with a response_format json_object / json_schema: that JSON, or such calls;
+
+    after free reasoning up to `</think>` when thinking is on (grammar.tool_call_grammar).
+    400 on 'tools' naming the tool, parameter and keyword a grammar cannot enforce; on
+    'response_format' for its own schema."""
+    tools = req.active_tools
+    if not tools:
+        return None
     forced, name = req.forced_tool
-    if not forced:
+    rf = req.response_format
+    content = None
+    if rf is not None and rf.type != "text":
+        response_grammar(req)              # the response_format's own errors, named as such
+        content = {"type": "object"} if rf.type == "json_object" else \
+            rf.json_schema.schema_or_any
+    strict = any(t.function.strict for t in req.tools)
+    if not (forced or strict or content is not None):
         return None
     from mtpjax import grammar
     try:
-        return grammar.tool_call_grammar(req.active_tools, name, thinking=req.enable_thinking,
-                                         parallel=req.parallel_calls)
+        return grammar.tool_call_grammar(tools, name, thinking=req.enable_thinking,
+                                         parallel=req.parallel_calls, auto=not forced,
+                                         content=content)
     except ValueError as e:
         raise APIError(f"'tools': {e}", "tools") from None
 
@@ -169,7 +194,7 @@ def parse_chat(body: Any, limits: ServerLimits, tokenizer,
                              tokenizer.stop_ids(), tool_grammar(req) or response_grammar(req))
     return ParsedRequest(ids, params, req.stop, req.stream, req.include_usage,
                          req.enable_thinking, req.skip_special_tokens, req.active_tools,
-                         req.n or 1, req.parallel_calls)
+                         req.n or 1, req.parallel_calls, *req.forced_tool)
 
 
 def parse_completion(body: Any, limits: ServerLimits, tokenizer) -> ParsedRequest:

@@ -11,7 +11,9 @@ completions: `logprobs` 0..5), `logit_bias` ({"token id": bias in [-100, 100]}, 
 (> 0) are implemented. Structured output: `response_format` {"type": "text" | "json_object" |
 "json_schema"} (chat); the JSON ones constrain decoding with a grammar
 (parsing.response_grammar, mtpjax/grammar.py), and so do `tool_choice` "required" and a named
-function (parsing.tool_grammar): one grammar per request, so these do not go together.
+function (parsing.tool_grammar): one grammar per request, so these do not go together (under
+"auto" the two combine: the reply is the JSON or tool calls). `tools[].function.strict` true
+constrains "auto" calls to their schemas (parsing.tool_grammar).
 Validation is strict (no "1" -> 1, no true -> 1): a number is a JSON number.
 
 `validate_request(cls, body)` turns the first pydantic error into an `APIError` (HTTP 400) whose
@@ -148,6 +150,8 @@ class FunctionDefinition(_Strict):
     name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.:-]+$")
     description: str | None = None
     parameters: dict[str, Any] | None = None      # a JSON schema of an object
+    # true: the arguments follow the schema exactly (forced calls always do; under "auto" a
+    # strict tool makes the reply's calls follow their schemas: parsing.tool_grammar)
     strict: bool | None = None
 
     @field_validator("parameters", mode="after")
