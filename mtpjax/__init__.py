@@ -1,5 +1,9 @@
 """mtpjax: Qwen3.5 + MTP self-speculative decoding as whole-step XLA programs."""
 
+from mtpjax import xla_cpu as _xla_cpu
+
+_xla_cpu.apply()      # the benchmark's XLA:CPU settings, before JAX's backend starts
+
 from mtpjax.config import Config, ConfigError, qwen3_5_27b
 from mtpjax.api import forward_logits, load_checkpoint, mtp_logits
 
