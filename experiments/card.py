@@ -94,6 +94,9 @@ def render_md(c: dict) -> str:
                      f"{_fmt(pu.get('stock'), 2)} / {_fmt(pu.get('candidate'), 2)} |")
     if h200:
         lines += [""] + render_host_md(c)
+        rng = render_range_md(c)
+        if rng:
+            lines += [""] + rng
     lines += ["", f"**SpecScore {c['specscore']:.3f}** (geometric mean of the workload ratios) · "
               f"score {c['score']:.3f} · gate: {'PASS' if c['reason'] is None else 'FAIL (' + c['reason'] + ')'}", ""]
     lk, am, m = c["likelihood"], c["argmax"], c["memory"]
@@ -144,6 +147,24 @@ def clock_words(c: dict) -> str:
             f"program at its real shapes for the 27B ({w} weights, tp {st.get('tp', 1)}), and "
             f"the host time measured here (scheduling, bookkeeping, the policy) was added "
             f"(per workload below). Memory and the gate's quality checks are this machine's.")
+
+
+def render_range_md(c: dict) -> list[str]:
+    """The clock's range: SpecScore and each workload's ratio and ms per token at [low, mid,
+    high] over its three constant sets (h200.range)."""
+    rg = (c.get("h200") or {}).get("range")
+    if not rg:
+        return []
+    f = lambda xs, nd=3: "[" + ", ".join(f"{x:.{nd}f}" for x in xs) + "]"
+    lines = [f"Range over the clock's constants (fast / mid / slow bandwidth, launch and "
+             f"program cost, mtpjax/cost_model.py; one run repriced, the depths chosen at mid): "
+             f"**SpecScore {f(rg['specscore'])}** as [low, mid, high]", "",
+             "| workload | ratio [low, mid, high] | stock ms/token | candidate ms/token |",
+             "|---|---|---|---|"]
+    for w, v in rg["workloads"].items():
+        lines.append(f"| {w} | {f(v['ratio'])} | {f(v['ms_per_token']['stock'], 2)} | "
+                     f"{f(v['ms_per_token']['candidate'], 2)} |")
+    return lines
 
 
 def render_host_md(c: dict) -> list[str]:

@@ -462,7 +462,8 @@ def _clock_totals(engine) -> dict | None:
     clock = getattr(engine, "clock", None)
     if clock is None:
         return None
-    return {"device_s": clock.device_s, "host_s": clock.host_s, "launches": dict(clock.launches)}
+    return {"device_s": clock.device_s, "host_s": clock.host_s, "launches": dict(clock.launches),
+            "device_range_s": dict(clock.device_range)}
 
 
 def _clock_delta(engine, before: dict | None) -> dict | None:
@@ -473,6 +474,8 @@ def _clock_delta(engine, before: dict | None) -> dict | None:
         return None
     return {"device_s": after["device_s"] - before["device_s"],
             "host_s": after["host_s"] - before["host_s"],
+            "device_range_s": {n: v - before["device_range_s"][n]
+                               for n, v in after["device_range_s"].items()},
             "launches": {key: n - before["launches"].get(key, 0)
                          for key, n in after["launches"].items()
                          if n - before["launches"].get(key, 0)}}
@@ -1187,13 +1190,44 @@ def clock_section(results: dict, chat_runs: dict | None, engines: dict, k: int) 
         out["chat"] = {name(kk): total(chat_runs[kk]) for kk in (0, k)}
     report = next(iter(engines.values())).clock.report()
     model = {key: v for key, v in report.items()
-             if key not in ("device_s", "host_s", "now", "launches")}
-    return {"workloads": out, "model": model,
+             if key not in ("device_s", "host_s", "now", "launches", "device_range_s")}
+    return {"workloads": out, "model": model, "range": range_section(results, k),
             "how": "each engine has its own clock: every program it launches adds the cost "
                    "model's price at the program's shapes (device_s); host_s is this "
                    "machine's measured time inside Engine.step outside the programs and the "
                    "caller's on_token callbacks (mtpjax/engine.py); tokens/s = tokens / "
                    "(device_s + host_s) of the pass"}
+
+
+def range_section(results: dict, k: int) -> dict:
+    """The card's h200.range: SpecScore, each workload's ratio and ms per token (1000 / tokens
+    per second, all lanes together) as [low, mid, high] over the clock's three constant sets
+    (cost_model.H200_FAST, H200, H200_SLOW). Every pass was run once; each engine's clock
+    priced its launches at all three sets, and the measured host time is the same in each.
+    The depth policy chose its depths on the mid prices, so low and high are the mid run's
+    schedule repriced (a policy on a faster or slower GPU could choose other depths)."""
+    from mtpjax.cost_model import H200_RANGE_NAMES, range_of
+    name = lambda kk: "stock" if kk == 0 else "candidate"
+    sec = lambda r, n: r["clock"]["device_range_s"][n] + r["clock"]["host_s"]
+    ratio, ms, out = {n: {} for n in H200_RANGE_NAMES}, {}, {}
+    for w, runs in results.items():
+        st, ca = runs["stock"], runs["candidate"]
+        for n in H200_RANGE_NAMES:
+            ratio[n][w] = statistics.median([(c["tokens"] / sec(c, n)) / (s["tokens"] / sec(s, n))
+                                             for s, c in zip(st, ca)])
+        ms = {name(kk): range_of({n: statistics.median([1e3 * sec(r, n) / r["tokens"]
+                                                        for r in runs[name(kk)]])
+                                  for n in H200_RANGE_NAMES}) for kk in (0, k)}
+        out[w] = {"ratio": range_of({n: ratio[n][w] for n in H200_RANGE_NAMES}),
+                  "ms_per_token": ms}
+    spec = {n: float(np.exp(np.mean(np.log(list(ratio[n].values()))))) for n in H200_RANGE_NAMES}
+    return {"specscore": range_of(spec), "workloads": out,
+            "by_constants": {"specscore": spec, "ratio": ratio},
+            "how": "[low, mid, high] over three constant sets (fast, mid, slow: bandwidth, "
+                   "launch cost per kernel, cost per program; mtpjax/cost_model.py H200_FAST, "
+                   "H200, H200_SLOW with their sources); one run, every launch priced at the "
+                   "three sets; host time measured once; the depth policy chose its depths "
+                   "on the mid prices, so low and high reprice the mid run's schedule"}
 
 
 def main(argv):

@@ -89,6 +89,41 @@ def test_device_time_is_the_cost_models_price_of_every_launched_program(runs):
     assert 16 in starts and 0 in starts
 
 
+def test_each_launch_is_priced_at_the_three_constant_sets(runs):
+    """One run, three prices: the clock's mid total is its device time; the fast and slow
+    totals are exactly the fast / slow prices of the same launches (priced again here), and
+    every launch costs less at fast and more at slow than at mid."""
+    from mtpjax.cost_model import H200, H200_FAST, H200_SLOW, price
+    *_, clock, _, _ = runs
+    model = CostModel(K=K, page_size=16)
+    assert clock.device_range["mid"] == pytest.approx(clock.device_s, rel=1e-12)
+    for n, hw in (("fast", H200_FAST), ("slow", H200_SLOW)):
+        want = sum(price(model.program(key, ctx, start, last), hw)
+                   for key, ctx, start, last, _ in clock.calls)
+        assert clock.device_range[n] == pytest.approx(want, rel=1e-9), n
+    for key, ctx, start, last, s in clock.calls:
+        c = model.program(key, ctx, start, last)
+        assert s == pytest.approx(price(c, H200), rel=1e-12)
+        assert price(c, H200_FAST) < s < price(c, H200_SLOW)
+    rep = clock.report()
+    assert set(rep["device_range_s"]) == {"fast", "mid", "slow"}
+    assert set(rep["range_hardware"]) == {"fast", "slow"}
+
+
+def test_range_constants_bracket_the_mid_set_and_cite_a_source():
+    """Each bound sits on the right side of the mid constant (4.03 TB/s, 2.5 us a kernel, 20
+    us a program, unchanged) and says where it comes from: a URL or the word assumption."""
+    from mtpjax.cost_model import H200, H200_FAST, H200_SLOW
+    assert (H200.hbm_bytes_per_s, H200.launch_s, H200.program_s) == (4.03e12, 2.5e-6, 20e-6)
+    assert H200_FAST.hbm_bytes_per_s > H200.hbm_bytes_per_s > H200_SLOW.hbm_bytes_per_s
+    assert H200_FAST.launch_s < H200.launch_s < H200_SLOW.launch_s
+    assert H200_FAST.program_s < H200.program_s < H200_SLOW.program_s
+    for hw in (H200_FAST, H200_SLOW):
+        for f in ("hbm_bytes_per_s", "launch_s", "program_s"):
+            src = hw.sources[f]
+            assert "https://" in src or "assumption" in src, (hw.name, f)
+
+
 def test_host_time_is_measured_reported_and_leaves_callbacks_out(runs):
     _, outs, e, clock, timing, stats = runs
     assert clock.host_s > 0 and timing["host_s"] == pytest.approx(clock.host_s)
@@ -161,7 +196,20 @@ def test_judge_card_on_the_h200_clock(judge_ckpt, tmp_path):
         assert on_disk["ttft_ms"]["solo"][name] >= 1e3 * model.prefill(16).seconds
     assert on_disk["h200"]["model"]["model"]["weights"] == "bf16"
     assert on_disk["draft_verify_ms"] is None          # this CPU's split: not on the clock
+    # the range: [low, mid, high] with the mid set the card's own numbers, the fast set
+    # faster and the slow set slower per token (the same tokens, host time the same)
+    rg = on_disk["h200"]["range"]
+    lo, mid, hi = rg["specscore"]
+    assert lo <= mid <= hi and mid == pytest.approx(on_disk["specscore"], rel=1e-6)
+    assert rg["workloads"]["solo"]["ratio"][1] == pytest.approx(on_disk["ratios"]["solo"]["ratio"],
+                                                                rel=1e-6)
+    for name in ("stock", "candidate"):
+        ms = rg["workloads"]["solo"]["ms_per_token"][name]
+        assert ms[0] < ms[1] < ms[2], ms
+        assert ms[1] == pytest.approx(1e3 / on_disk["throughput"]["solo"][f"{name}_tok_s"][0],
+                                      rel=1e-6)
     md = (tmp_path / "card.md").read_text()
+    assert "Range over the clock's constants" in md and "SpecScore [" in md
     assert "predicted for Qwen3.5-27B on one H200 by the cost model, not timed" in md[:400]
     assert "Host time on the clock" in md and "TTFT ms" in md and "clock h200" in md
 
