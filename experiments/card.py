@@ -32,7 +32,7 @@ def predicted_words(tp: int = 1) -> str:
 
 
 def make_clock(clock: str, k: int, *, weights: str = "bf16", tp: int = 1, page_size: int = 16,
-               draft_vocab: int | None = None):
+               draft_vocab: int | None = None, context_offset: int = 0):
     """None for "wall"; for "h200" a fresh VirtualClock over CostModel(weights, tp, K = k, the
     engine's page size, the 27B's draft vocabulary rows): one per engine, since each engine's
     time is its own."""
@@ -42,7 +42,8 @@ def make_clock(clock: str, k: int, *, weights: str = "bf16", tp: int = 1, page_s
         return None
     from mtpjax.cost_model import CostModel, VirtualClock
     return VirtualClock(CostModel(weights=weights, tp=tp, K=k, page_size=page_size,
-                                  draft_vocab=draft_vocab if k > 0 else None))
+                                  draft_vocab=draft_vocab if k > 0 else None),
+                        context_offset=context_offset)
 
 
 def clock_weights(params) -> str:
@@ -92,6 +93,17 @@ def render_md(c: dict) -> str:
                      f"{_fmt(tt.get('stock'), 1)} / {_fmt(tt.get('candidate'), 1)} | "
                      f"{_fmt(c['acceptance'][w])} | {_fmt(util, 2)} | "
                      f"{_fmt(pu.get('stock'), 2)} / {_fmt(pu.get('candidate'), 2)} |")
+    long = {w: n for w, n in (st.get("long_context") or {}).items() if n}
+    if long:
+        lines += ["", "Long-context workloads (" + ", ".join(f"{w}: {n:,} tokens" for w, n in
+                                                       long.items())
+                  + "): the engines run the checkpoint's own short prompts here; the H200 clock "
+                  "prices every program as if each lane's context held that many more tokens "
+                  "before its prompt, and each request's first chunk also pays their prefill "
+                  "(2,048-token chunks); the depth policy keys its costs by that priced "
+                  "context. Tokens and acceptance are the short prompts' (or the simulated "
+                  "profile's), not a long prompt's. SpecScore is over solo, team and busy "
+                  "only; these ratios are reported beside it.", ""]
     if h200:
         lines += [""] + render_host_md(c)
         rng = render_range_md(c)

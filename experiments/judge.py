@@ -234,6 +234,10 @@ def check_config(jc: JudgeConfig, cfg=None) -> None:
         raise ValueError(f"--passes must be >= 1, got {jc.passes}")
     if jc.clock not in card_lib.CLOCKS:
         raise ValueError(f"--clock must be one of {card_lib.CLOCKS}, got {jc.clock!r}")
+    for w in jc.workloads:
+        if long_context(w)[1] and jc.clock != "h200":
+            raise ValueError(f"workload {w!r} is a long context priced by the H200 clock: run it "
+                             "with --clock=h200")
     if jc.clock != "wall" and jc.dp > 1:
         raise ValueError("--clock=h200 models one engine per clock; dp replicas would each need "
                          "their own and a rule to merge them: run with --dp=1")
@@ -241,11 +245,37 @@ def check_config(jc: JudgeConfig, cfg=None) -> None:
         raise ValueError(f"{jc.checkpoint} has no MTP head: the candidate cannot draft")
 
 
-def candidate_policy(jc: JudgeConfig, k: int):
+def candidate_policy(jc: JudgeConfig, k: int, context_offset: int = 0):
     """The Engine's speculation_policy: "adaptive" (each engine, each dp replica, builds its
     own AdaptiveDepth, so what one workload learned never leaks into another's run) or None
-    (fixed depth K whenever the pages allow). Stock (k = 0) has one depth only."""
-    return "adaptive" if (k and jc.adaptive) else None
+    (fixed depth K whenever the pages allow). Stock (k = 0) has one depth only. A
+    long-context workload's policy keys its costs by the context the clock prices."""
+    if not (k and jc.adaptive):
+        return None
+    if context_offset:
+        from mtpjax.depth import AdaptiveDepth
+        return AdaptiveDepth(context_offset=context_offset)
+    return "adaptive"
+
+
+# Long-context workloads on the H200 clock: "<solo|team>_<8k|32k>" (see long_context).
+LONG_CONTEXTS = {"8k": 8192, "32k": 32768}
+BASE_WORKLOADS = ("solo", "team", "busy")
+
+
+def long_context(name: str) -> tuple[str, int]:
+    """(base workload, tokens the clock adds before every prompt): "solo_32k" -> ("solo",
+    32768), "team" -> ("team", 0). The engines run the checkpoint's short prompts (the tiny's
+    context is small, and a 32k prefill on this CPU would take the run); the clock prices
+    the 27B as if each lane held that many more tokens (cost_model.VirtualClock
+    context_offset), its prefill included."""
+    base, _, size = name.partition("_")
+    if not size:
+        return name, 0
+    if base not in ("solo", "team") or size not in LONG_CONTEXTS:
+        raise ValueError(f"unknown workload {name!r}: long-context workloads are solo or team "
+                         f"with a suffix of {', '.join(LONG_CONTEXTS)} (e.g. solo_8k)")
+    return base, LONG_CONTEXTS[size]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -267,7 +297,8 @@ def engine_shape(jc: JudgeConfig, lanes: list[int], max_seq_len: int) -> EngineS
 
 
 def make_engine(cfg, params, jc: JudgeConfig, k: int, lanes: int, num_pages: int | None,
-                shape: EngineShape, placed=None, prefix_cache: bool = False):
+                shape: EngineShape, placed=None, prefix_cache: bool = False,
+                context_offset: int = 0):
     """Stock (k = 0) and candidate engines differ only in speculation (k and its depth policy):
     same lanes, pool, kernels and devices (jc.tp x jc.dp; `placed`: the params already laid
     out there, shared). `lanes` and `num_pages` (None: every lane at full context) are the
@@ -278,11 +309,13 @@ def make_engine(cfg, params, jc: JudgeConfig, k: int, lanes: int, num_pages: int
     VirtualClock (card_lib.make_clock). The device pool is the Engine's default for the
     shape's lane_slots (every slot at full context)."""
     clock = card_lib.make_clock(jc.clock, k, weights=card_lib.clock_weights(params), tp=jc.tp,
-                                page_size=jc.page_size, draft_vocab=clock_draft_rows(jc, cfg))
+                                page_size=jc.page_size, draft_vocab=clock_draft_rows(jc, cfg),
+                                context_offset=context_offset)
     return mtpjax.make_engine(cfg, params, tp=jc.tp, dp=jc.dp, placed=placed, clock=clock,
                               draft_vocab=draft_ids(jc, cfg) if k > 0 else None,
                               num_speculative_tokens=k,
-                              speculation_policy=candidate_policy(jc, k), max_lanes=lanes,
+                              speculation_policy=candidate_policy(jc, k, context_offset),
+                              max_lanes=lanes,
                               max_seq_len=shape.max_seq_len, kernels=jc.kernels,
                               page_size=jc.page_size,
                               num_pages=num_pages,
@@ -361,6 +394,7 @@ def process_peak_mib() -> float | None:
 # ------------------------------------------------------------------------------- workloads
 
 def workload_plan(name: str, jc: JudgeConfig, prompts):
+    name = long_context(name)[0]
     if name == "solo":
         return 1, prompts[:jc.solo_requests]
     if name == "team":
@@ -969,7 +1003,7 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
     for w, (lanes, _) in plans.items():
         for kk in (0, k):
             engines[(w, kk)] = make_engine(cfg, params, jc, kk, lanes, pool[w], shape,
-                                           placed=placed)
+                                           placed=placed, context_offset=long_context(w)[1])
     if jc.chat is not None:
         for kk in (0, k):
             engines[("chat", kk)] = make_engine(cfg, params, jc, kk, jc.team_lanes, None, shape,
@@ -1089,7 +1123,9 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
         "greedy_agreement": gate.greedy_agreement(g_c, g_s),
         "sampled_agreement": gate.sampled_agreement(rep[k], rep[0]),
         "lengths": lengths,
-        "ratios": ratios,
+        # SpecScore: solo / team / busy (the long-context workloads are reported beside it)
+        "ratios": ({w: v for w, v in ratios.items() if w in BASE_WORKLOADS}
+                   if any(w in BASE_WORKLOADS for w in ratios) else ratios),
         "page_use": page_use,
     }
     verdict = gate.evaluate(measured, jc.limits, dtype=jc.dtype)
@@ -1150,6 +1186,7 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
             "lanes": {w: plans[w][0] for w in plans}, "requests": {w: len(plans[w][1]) for w in plans},
             "page_size": jc.page_size, "busy_pages": pool.get("busy"),
             "tp": jc.tp, "dp": jc.dp, "prefix_cache": jc.prefix_cache,
+            "long_context": {w: long_context(w)[1] for w in plans},
             "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
             "versions": {"jax": jax.__version__, "python": platform.python_version()},
             "compiled_programs": {f"{w}/k={kk}": e.stats().get("compiled_programs")
@@ -1220,7 +1257,9 @@ def range_section(results: dict, k: int) -> dict:
                                   for n in H200_RANGE_NAMES}) for kk in (0, k)}
         out[w] = {"ratio": range_of({n: ratio[n][w] for n in H200_RANGE_NAMES}),
                   "ms_per_token": ms}
-    spec = {n: float(np.exp(np.mean(np.log(list(ratio[n].values()))))) for n in H200_RANGE_NAMES}
+    scored = [w for w in results if w in BASE_WORKLOADS] or list(results)   # as SpecScore
+    spec = {n: float(np.exp(np.mean(np.log([ratio[n][w] for w in scored]))))
+            for n in H200_RANGE_NAMES}
     return {"specscore": range_of(spec), "workloads": out,
             "by_constants": {"specscore": spec, "ratio": ratio},
             "how": "[low, mid, high] over three constant sets (fast, mid, slow: bandwidth, "

@@ -741,11 +741,24 @@ class VirtualClock:
     seconds (device; `launch` prices the engine's key with CostModel.program: a "mixed" key
     at its decode lanes' contexts and its chunk's start), the caller adds measured host
     seconds. Each launch is also priced at the fast and slow constants (device_range; see
-    H200_FAST): `now` and everything the engine and its depth policy read are mid."""
+    H200_FAST): `now` and everything the engine and its depth policy read are mid.
+    context_offset: price a longer context than the engine runs (the tiny checkpoint's
+    prompts are short): every lane's context and every chunk's start move up by that many
+    tokens, and a request's first chunk (start 0) also pays the prefill of those tokens."""
 
     def __init__(self, model: CostModel, fast: Hardware = H200_FAST,
-                 slow: Hardware = H200_SLOW):
+                 slow: Hardware = H200_SLOW, context_offset: int = 0,
+                 offset_chunk: int = 2048):
+        if context_offset < 0 or offset_chunk < 1:
+            raise ValueError(f"context_offset must be >= 0 and offset_chunk >= 1, got "
+                             f"{context_offset}, {offset_chunk}")
         self.model = model
+        # a long context priced, not run: every lane's context is context_offset tokens
+        # longer than the engine's (those tokens stand before its prompt), and a request's
+        # first chunk also pays their prefill (offset_chunk-token chunks)
+        self.context_offset = int(context_offset)
+        self._offset_prefill = [model.prefill(min(offset_chunk, context_offset - s), s)
+                                for s in range(0, context_offset, offset_chunk)]
         self.device_s = 0.0
         self.host_s = 0.0
         self.launches: collections.Counter = collections.Counter()
@@ -760,11 +773,17 @@ class VirtualClock:
 
     def launch(self, key: tuple, contexts: Sequence[int] = (), start: int = 0,
                is_last: bool = True) -> float:
-        cost = self.model.program(key, contexts, start, is_last)
-        s = cost.seconds
+        off, costs = self.context_offset, []
+        if off and key[0] in ("decode", "mixed", "draft", "prefill"):
+            contexts = [c + off for c in contexts]
+            if key[0] in ("prefill", "mixed"):
+                costs = self._offset_prefill * (start == 0)
+                start += off
+        costs.append(self.model.program(key, contexts, start, is_last))
+        s = sum(c.seconds for c in costs)
         self.device_s += s
         for n, hw in self.range_hw.items():
-            self.device_range[n] += s if n == "mid" else price(cost, hw)
+            self.device_range[n] += s if n == "mid" else sum(price(c, hw) for c in costs)
         self.launches[key[0]] += 1
         return s
 
@@ -784,6 +803,7 @@ class VirtualClock:
                                for n, h in self.range_hw.items() if n != "mid"},
             "hardware": {f.name: getattr(hw, f.name) for f in dataclasses.fields(hw)
                          if f.name != "sources"} | {"sources": dict(hw.sources)},
+            "context_offset": self.context_offset,
             "model": {"weights": m.weights, "tp": m.tp, "K": m.K, "page_size": m.page_size,
                       "layers": m.cfg.num_layers, "hidden_size": m.cfg.hidden_size},
         }

@@ -124,6 +124,54 @@ def test_range_constants_bracket_the_mid_set_and_cite_a_source():
             assert "https://" in src or "assumption" in src, (hw.name, f)
 
 
+def test_a_long_context_is_priced_not_run():
+    """VirtualClock(context_offset=N): decode steps at each lane's context + N; a request's
+    first chunk (start 0) pays the prefill of the N tokens, in 2,048-token chunks, then its
+    own chunk at start N; a later chunk only its own; the range moves with it."""
+    from mtpjax.cost_model import H200_SLOW, price
+    model = CostModel(K=K, page_size=16)
+    clock = VirtualClock(model, context_offset=8192)
+    assert clock.launch(("decode", 1, 2), [40, 7]) == pytest.approx(
+        model.decode(1, 2, [8232, 8199]).seconds)
+    long = [model.prefill(2048, s) for s in range(0, 8192, 2048)]
+    first = clock.launch(("prefill", 16), [], 0)
+    assert first == pytest.approx(sum(c.seconds for c in long)
+                                  + model.prefill(16, 8192).seconds)
+    assert clock.launch(("prefill", 16), [], 16) == pytest.approx(
+        model.prefill(16, 8208).seconds)
+    assert clock.launch(("mixed", 1, 2, 16), [5], 0) == pytest.approx(
+        sum(c.seconds for c in long) + model.mixed(1, 2, 16, [8197], 8192).seconds)
+    assert clock.device_range["slow"] > clock.device_range["mid"] == pytest.approx(clock.device_s)
+    assert clock.report()["context_offset"] == 8192
+    assert price(long[0], H200_SLOW) > long[0].seconds
+    with pytest.raises(ValueError):
+        VirtualClock(model, context_offset=-1)
+
+
+def test_the_depth_policy_keys_costs_by_the_priced_context():
+    """AdaptiveDepth(context_offset=N) files a step's cost under the context the clock priced
+    (the lanes' + N), so a long-context run's depths follow long-context costs."""
+    from mtpjax.depth import AdaptiveDepth, context_bucket
+    from mtpjax.scheduler import LaneView, RequestStats, StepView
+    view = StepView(2, 2, (LaneView(0, 40, 2, RequestStats.for_depth(2)),), 1, 0)
+    for off, want in ((0, 256), (32768, context_bucket(32768 + 40, 256))):
+        pol = AdaptiveDepth(context_offset=off)
+        pol.observe(view, 1, 0.02, [1], False)
+        assert pol.costs.count(1, 1, want) == 1, off
+    assert want == 65536
+    with pytest.raises(ValueError):
+        AdaptiveDepth(context_offset=-1)
+
+
+def test_long_context_workloads_need_the_clock():
+    with pytest.raises(ValueError, match="clock=h200"):
+        judge.check_config(judge.JudgeConfig(workloads=("solo_8k",), clock="wall"))
+    with pytest.raises(ValueError, match="unknown workload"):
+        judge.long_context("busy_8k")
+    assert judge.long_context("team_32k") == ("team", 32768)
+    assert judge.long_context("team") == ("team", 0)
+
+
 def test_host_time_is_measured_reported_and_leaves_callbacks_out(runs):
     _, outs, e, clock, timing, stats = runs
     assert clock.host_s > 0 and timing["host_s"] == pytest.approx(clock.host_s)
@@ -168,9 +216,12 @@ def judge_ckpt(tmp_path_factory):
 def test_judge_card_on_the_h200_clock(judge_ckpt, tmp_path):
     """The smallest judge run (solo, one request, K = 1) with --clock=h200: card.json keeps its
     keys and says "clock": "h200"; tokens/s are the modelled 27B's (about one decode price per
-    token at one lane, plus host time), not this CPU's; card.md says so near the top."""
+    token at one lane, plus host time), not this CPU's; card.md says so near the top. With a
+    long-context workload beside it (solo_32k: the same prompts, priced 32,768 tokens longer):
+    SpecScore stays solo's, solo_32k's tokens cost more, its first token pays the long
+    prefill, and the card says how it was made."""
     jc = judge.JudgeConfig(
-        checkpoint=judge_ckpt, out_dir=str(tmp_path), passes=1, workloads=("solo",),
+        checkpoint=judge_ckpt, out_dir=str(tmp_path), passes=1, workloads=("solo", "solo_32k"),
         solo_requests=1, team_lanes=2, team_requests=2, busy_lanes=2, busy_requests=2,
         prompt_tokens=16, max_new_tokens=6, gate_prompts=2, fidelity_tokens=2,
         progress=False, limits=gate.Limits(busy_page_use_floor=0.5), k=1,
@@ -208,7 +259,18 @@ def test_judge_card_on_the_h200_clock(judge_ckpt, tmp_path):
         assert ms[0] < ms[1] < ms[2], ms
         assert ms[1] == pytest.approx(1e3 / on_disk["throughput"]["solo"][f"{name}_tok_s"][0],
                                       rel=1e-6)
+    # the long context: beside SpecScore, dearer per token, its TTFT holds a 32k prefill
+    assert on_disk["specscore"] == pytest.approx(on_disk["ratios"]["solo"]["ratio"])
+    assert on_disk["settings"]["long_context"] == {"solo": 0, "solo_32k": 32768}
+    long_ms = rg["workloads"]["solo_32k"]["ms_per_token"]
+    for name in ("stock", "candidate"):
+        assert long_ms[name][1] > rg["workloads"]["solo"]["ms_per_token"][name][1], name
+        assert on_disk["ttft_ms"]["solo_32k"][name] > 1e3 * sum(
+            CostModel(K=0).prefill(2048, s).seconds for s in range(0, 32768, 2048))
+    pol = on_disk["policy"]["solo_32k"]["replicas"][0]["costs_ms"]
+    assert pol and all(cell.endswith("/c65536") for cell in pol), pol   # the priced context
     md = (tmp_path / "card.md").read_text()
+    assert "Long-context workloads (solo_32k: 32,768 tokens)" in md
     assert "Range over the clock's constants" in md and "SpecScore [" in md
     assert "predicted for Qwen3.5-27B on one H200 by the cost model, not timed" in md[:400]
     assert "Host time on the clock" in md and "TTFT ms" in md and "clock h200" in md
