@@ -106,6 +106,13 @@ def load(spec: "str | Profile") -> Profile:
                      f"or a JSON file")
 
 
+def simulator(spec, seed: int = 0) -> "Simulator | None":
+    """None for None; a Simulator as given; else Simulator(spec, seed)."""
+    if spec is None or isinstance(spec, Simulator):
+        return spec
+    return Simulator(spec, seed)
+
+
 class Simulator:
     """Seeded draws of accepted drafts per lane from a Profile's conditional rates."""
 
@@ -137,6 +144,18 @@ class Simulator:
         f = np.full(bucket, -1, np.int32)
         f[list(lanes)] = self.draw(k, real_drafts)
         return f
+
+    def apply(self, extras, batch, bucket: int):
+        """The step's steps.Extras with forced_accept set for batch.rows (a
+        scheduler.StepBatch; the real drafts per lane from batch.view, else the depth)."""
+        import dataclasses
+
+        import jax.numpy as jnp
+        lanes = [r.lane for r in batch.rows]
+        real = ([ln.drafts for ln in batch.view.lanes] if batch.view is not None
+                else [batch.k] * len(lanes))
+        return dataclasses.replace(extras, forced_accept=jnp.asarray(
+            self.forced(batch.k, lanes, real, bucket)))
 
     def report(self) -> dict:
         p = self.profile

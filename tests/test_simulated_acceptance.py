@@ -76,3 +76,61 @@ def test_clock_check_prices_our_programs_beside_sglang(capsys):
     assert r["rows"][16]["tpot_with_prefills_ms"][1] > r["rows"][16]["tpot_ms"][1]
     text = clock_check.format_rows(r)
     assert "COMPARISON OF ENGINES" in text and "5.61" in text and "17.28" in text
+
+
+# ---------------------------------------------------------------- the step and the engine
+
+def test_forced_accept_emits_drafts_then_the_targets_token():
+    """steps._forced_accept on hand-made rows: lane 0 really accepted 1 of 2 drafts (t0 = d0,
+    correction t1); forced to 2 it emits d0, d1 and then t1 (the target never sampled row 2,
+    so the real correction stands in); forced to 0 it emits t0; -1 leaves the lane as the
+    target decided."""
+    import jax.numpy as jnp
+    from mtpjax.steps import _forced_accept
+    n_acc = jnp.asarray([1, 1, 1, 0])
+    out = jnp.asarray([[5, 6, -1], [5, 6, -1], [5, 6, -1], [9, -1, -1]])
+    drafts = jnp.asarray([[5, 8], [5, 8], [5, 8], [4, 4]])
+    n, toks = _forced_accept(n_acc, out, drafts, jnp.asarray([2, 0, -1, 1]))
+    assert n.tolist() == [2, 0, 1, 1]
+    assert toks.tolist() == [[5, 8, 6], [5, -1, -1], [5, 6, -1], [4, 9, -1]]
+
+
+def _engine(**kw):
+    import mtpjax
+    from tiny_models import TP_CFG, TP_ENGINE_KW, TP_PARAMS
+    return mtpjax.Engine(TP_CFG, TP_PARAMS, num_speculative_tokens=2, **TP_ENGINE_KW, **kw)
+
+
+def test_simulated_rejection_is_plain_decoding():
+    """A profile that accepts nothing: every step emits the target's own token at row 0, so
+    the output is greedy plain decoding token for token: the forced rollback leaves the cache,
+    the GDN replay and the positions as a real rejection does."""
+    from tiny_models import TP_PROMPTS
+    from mtpjax import SamplingParams
+    sp = SamplingParams(max_new_tokens=12)
+    import mtpjax
+    from tiny_models import TP_CFG, TP_ENGINE_KW, TP_PARAMS
+    plain = mtpjax.Engine(TP_CFG, TP_PARAMS, **TP_ENGINE_KW).generate(TP_PROMPTS, sp)
+    never = sa.Profile("never", (1.0, 1.0), "accepts nothing")
+    e = _engine(simulate_acceptance=never)
+    outs = e.generate(TP_PROMPTS, sp)
+    for a, b in zip(plain, outs):
+        assert b.token_ids == a.token_ids
+        assert b.stats.accepted_tokens == 0 and b.stats.verify_steps > 0
+    assert e.stats()["simulated_acceptance"]["profile"] == "never"
+
+
+def test_simulated_acceptance_drives_the_counts_and_the_policy():
+    """A profile that accepts every draft: each verify step accepts all of a lane's real
+    drafts (what the tiny model's drafts are does not matter), the requests run to their
+    length, and the adaptive policy's pooled acceptance is the profile's (1.0)."""
+    from tiny_models import TP_PROMPTS
+    from mtpjax import SamplingParams
+    always = sa.Profile("always", (2.0, 3.0), "accepts every draft")
+    e = _engine(simulate_acceptance=always, speculation_policy="adaptive")
+    outs = e.generate(TP_PROMPTS, SamplingParams(max_new_tokens=12))
+    for o in outs:
+        st = o.stats
+        assert o.error is None and len(o.token_ids) == 12
+        assert st.verify_steps > 0 and st.accepted_tokens == st.drafted_tokens
+    assert e.policy.report()["pooled_acceptance"][0] > 0.9
