@@ -24,6 +24,30 @@ def define_clock_flag() -> None:
         flags.DEFINE_enum("clock", "wall", list(CLOCKS), CLOCK_HELP)
 
 
+SIMULATE_HELP = ("simulated acceptance for planning, timing only: each verify step accepts as "
+                 "many drafts as a seeded draw from this profile (a name in "
+                 "mtpjax/simulated_acceptance.py PROFILES, e.g. qwen3.5-27b-nothink, or a JSON "
+                 "file); the tokens are then not the model's, and the judge's lossless gate "
+                 "reports 'not applicable'")
+
+
+def define_simulate_flag() -> None:
+    """--simulate_acceptance for the timing sub-commands (judge, bench, speed, serve_bench);
+    a repeated call is a no-op."""
+    from absl import flags
+    if "simulate_acceptance" not in flags.FLAGS:
+        flags.DEFINE_string("simulate_acceptance", None, SIMULATE_HELP)
+
+
+def simulator(spec: str | None, seed: int = 0):
+    """A simulated_acceptance.Simulator for the flag's value, or None (the flag unset); bad
+    names fail here, before anything loads."""
+    if not spec:
+        return None
+    from mtpjax import simulated_acceptance
+    return simulated_acceptance.Simulator(spec, seed)
+
+
 def predicted_words(tp: int = 1) -> str:
     """The line every h200-clock report carries."""
     where = "one H200" if tp == 1 else f"{tp} H200s (tensor parallel)"
@@ -67,7 +91,15 @@ def _fmt(x, nd=3):
 def render_md(c: dict) -> str:
     L = c["limits"]
     ok = lambda b: "pass" if b else "FAIL"
-    lines = ["# mtpjax judge card", ""]
+    sim = c.get("simulated_acceptance")
+    lines = ["# mtpjax judge card" + (" — simulated acceptance" if sim else ""), ""]
+    if sim:
+        lines += [f"**Simulated acceptance ({sim['profile']}: tokens per verify step "
+                  f"{', '.join(f'{x:.2f}' for x in sim['tokens_per_verify_step'])} at k = 1.."
+                  f"{len(sim['tokens_per_verify_step'])}; {sim['source']}).** Each verify step "
+                  f"accepted a seeded draw from this profile, whatever the drafts: times and "
+                  f"ratios are for planning; the tokens are not the model's, and the lossless "
+                  f"gate is not applicable.", ""]
     st = c["settings"]
     h200 = c.get("clock") == "h200"
     if h200:
@@ -109,8 +141,11 @@ def render_md(c: dict) -> str:
         rng = render_range_md(c)
         if rng:
             lines += [""] + rng
+    gate_words = ("not applicable (simulated acceptance)" if sim else
+                  f"{'PASS' if c['reason'] is None else 'FAIL (' + c['reason'] + ')'}")
     lines += ["", f"**SpecScore {c['specscore']:.3f}** (geometric mean of the workload ratios) · "
-              f"score {c['score']:.3f} · gate: {'PASS' if c['reason'] is None else 'FAIL (' + c['reason'] + ')'}", ""]
+              + ("" if sim else f"score {c['score']:.3f} · ") + f"gate: {gate_words}", ""]
+    before_gate = len(lines)
     lk, am, m = c["likelihood"], c["argmax"], c["memory"]
     proc = ("" if m.get("process_peak_mib") is None else
             f"; process-wide device peak, all engines: {m['process_peak_mib']:.1f} MiB")
@@ -129,6 +164,10 @@ def render_md(c: dict) -> str:
               f"| sampled_agreement | {c['sampled_agreement']:.4f} | reported | - |"]
     for w, v in c["lengths"].items():
         lines.append(f"| lengths/{w} | {v['ratio']:.3f} [{v['low']:.3f}, {v['high']:.3f}] | 1 ± {L['length_margin']} | {ok(c['checks']['lengths'])} |")
+    if sim:     # the candidate's tokens are the profile's draws, not the model's
+        del lines[before_gate:]
+        lines.append("Lossless gate: **not applicable** (simulated acceptance: the candidate "
+                     "emitted drafts the profile accepted, not the model's tokens).")
     lines += [""] + render_depth_md(c)
     lines += ["", "Per-step time (ms, median over passes; draft + verify + accept run as one program"
               + ("; step: modelled H200 device time, host: measured here" if h200 else "")

@@ -129,6 +129,7 @@ flags.DEFINE_integer("chat_conversations", 8, "conversations of the chat workloa
 flags.DEFINE_integer("chat_turns", 3, "turns per conversation")
 flags.DEFINE_integer("chat_system_tokens", 64, "shared system prompt length (tokens)")
 card_lib.define_clock_flag()
+card_lib.define_simulate_flag()
 
 
 @dataclasses.dataclass
@@ -170,6 +171,8 @@ class JudgeConfig:
     clock: str = "wall"         # wall | h200 (card_lib.make_clock: modelled 27B on an H200)
     draft_vocab: float = 0.0    # candidate's draft vocabulary: share (< 1) or size; 0 none
     clock_draft_vocab: int = 0  # the h200 clock's 27B draft rows (0: draft_vocab's share)
+    simulate_acceptance: str | None = None   # profile: the candidate's acceptance drawn
+                                             # from it (timing only; gate not applicable)
 
 
 def _from_flags() -> JudgeConfig:
@@ -186,7 +189,7 @@ def _from_flags() -> JudgeConfig:
         gate_prompts=f.gate_prompts, fidelity_tokens=f.fidelity_tokens,
         fidelity_lanes=f.fidelity_lanes, seed=f.seed, progress=f.progress, tp=f.tp, dp=f.dp,
         prefix_cache=f.prefix_cache, clock=f.clock, draft_vocab=f.draft_vocab,
-        clock_draft_vocab=f.clock_draft_vocab,
+        clock_draft_vocab=f.clock_draft_vocab, simulate_acceptance=f.simulate_acceptance,
         lane_buckets=tuple(int(b) for b in f.lane_buckets) if f.lane_buckets else None,
         prefill_buckets=tuple(int(b) for b in f.prefill_buckets),
         chat=(chat_workload.ChatSpec(f.chat_conversations, f.chat_turns, f.chat_system_tokens)
@@ -234,6 +237,7 @@ def check_config(jc: JudgeConfig, cfg=None) -> None:
         raise ValueError(f"--passes must be >= 1, got {jc.passes}")
     if jc.clock not in card_lib.CLOCKS:
         raise ValueError(f"--clock must be one of {card_lib.CLOCKS}, got {jc.clock!r}")
+    card_lib.simulator(jc.simulate_acceptance)      # an unknown profile fails here
     for w in jc.workloads:
         if long_context(w)[1] and jc.clock != "h200":
             raise ValueError(f"workload {w!r} is a long context priced by the H200 clock: run it "
@@ -315,6 +319,8 @@ def make_engine(cfg, params, jc: JudgeConfig, k: int, lanes: int, num_pages: int
                               draft_vocab=draft_ids(jc, cfg) if k > 0 else None,
                               num_speculative_tokens=k,
                               speculation_policy=candidate_policy(jc, k, context_offset),
+                              simulate_acceptance=(card_lib.simulator(jc.simulate_acceptance,
+                                                                      jc.seed) if k else None),
                               max_lanes=lanes,
                               max_seq_len=shape.max_seq_len, kernels=jc.kernels,
                               page_size=jc.page_size,
@@ -1134,7 +1140,13 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
     # the split times this machine's programs: nothing the H200 clock could say (None there)
     draft_verify = (step_split(cfg, split_params, split_at, k, kernels)
                     if k and jc.clock == "wall" else None)
+    sim = engines[(jc.workloads[0], k)].simulated
+    if sim is not None:         # timing only: the candidate's tokens are not the model's
+        verdict = {**verdict, "reason": None, "score": None, "gate": "not applicable",
+                   "checks": {name: None for name in verdict["checks"]}}
     card = {
+        "simulated_acceptance": None if sim is None else sim.report(),
+        "gate": verdict.get("gate", "applied"),
         "ratios": ratios,
         "specscore": verdict["specscore"],
         "greedy_agreement": measured["greedy_agreement"],

@@ -292,3 +292,31 @@ def test_serve_bench_closed_loop_on_the_clock(runs):
     assert 0 < row["mean_ttft_s"] < row["mean_latency_s"] <= row["wall_s"]
     assert row["engine_iterations"] > 0 and not e.has_work()
 
+
+
+def test_judge_with_simulated_acceptance(judge_ckpt, tmp_path):
+    """--simulate_acceptance on the judge: the candidate's acceptance is the profile's (one
+    that accepts nothing: exactly 1 token per verify step, whatever the checkpoint's drafts
+    would earn), the card's header says "simulated acceptance", and the lossless gate reports
+    "not applicable" (no score, no failed check)."""
+    never = tmp_path / "never.json"
+    never.write_text(json.dumps({"name": "never", "tokens_per_verify_step": [1.0, 1.0],
+                                 "source": "a test profile"}))
+    jc = judge.JudgeConfig(
+        checkpoint=judge_ckpt, out_dir=str(tmp_path / "card"), passes=1, workloads=("solo",),
+        solo_requests=1, team_lanes=2, team_requests=2, busy_lanes=2, busy_requests=2,
+        prompt_tokens=16, max_new_tokens=8, gate_prompts=2, fidelity_tokens=8,
+        progress=False, limits=gate.Limits(busy_page_use_floor=0.5), k=2, adaptive=False,
+        prefill_buckets=(16,), fidelity_lanes=1, clock="h200", chat=None,
+        simulate_acceptance=str(never))
+    judge.run_judge(jc)
+    c = json.load(open(tmp_path / "card" / "card.json"))
+    assert c["simulated_acceptance"]["profile"] == "never"
+    assert c["gate"] == "not applicable" and c["reason"] is None and c["score"] is None
+    assert c["acceptance"]["solo"] == pytest.approx(1.0)
+    assert c["acceptance_by_position"]["solo"]["verify_steps"] > 0
+    md = (tmp_path / "card" / "card.md").read_text()
+    assert md.startswith("# mtpjax judge card — simulated acceptance")
+    assert "Lossless gate: **not applicable**" in md and "| fidelity |" not in md
+    with pytest.raises(ValueError, match="unknown acceptance profile"):
+        judge.check_config(judge.JudgeConfig(simulate_acceptance="no-such-profile"))
