@@ -764,7 +764,9 @@ class VirtualClock:
         self.launches: collections.Counter = collections.Counter()
         # the range: each launch priced once more at the fast and slow constants (the mid
         # set is the model's own hardware, so device_range["mid"] == device_s)
-        self.range_hw = {"fast": fast, "mid": model.hw, "slow": slow}
+        # (a stand-in model without hardware, as tests use, gets a range of its one price)
+        hw = getattr(model, "hw", None)
+        self.range_hw = {} if hw is None else {"fast": fast, "mid": hw, "slow": slow}
         self.device_range = {n: 0.0 for n in H200_RANGE_NAMES}
 
     @property
@@ -782,8 +784,10 @@ class VirtualClock:
         costs.append(self.model.program(key, contexts, start, is_last))
         s = sum(c.seconds for c in costs)
         self.device_s += s
-        for n, hw in self.range_hw.items():
-            self.device_range[n] += s if n == "mid" else sum(price(c, hw) for c in costs)
+        for n in self.device_range:
+            hw = self.range_hw.get(n)
+            self.device_range[n] += s if n == "mid" or hw is None else sum(price(c, hw)
+                                                                           for c in costs)
         self.launches[key[0]] += 1
         return s
 
