@@ -28,7 +28,14 @@ predicts for Qwen3.5-27B on an H200 running this exact schedule (the engines sti
 the tokens, hence acceptance, depths chosen and every gate check, are real); the host time
 measured here is added to each clock and reported on its own line. card.json gets "clock":
 "h200" (else "wall") and an "h200" section (each clock's device and host seconds, launches,
-the cost model's constants).
+the cost model's constants, and `range`: SpecScore, ratios and ms per token at [low, mid, high]
+over the clock's fast / mid / slow constant sets, one run repriced).
+Long-context workloads (--clock=h200 only): solo_8k, team_8k, solo_32k, team_32k run the
+solo / team prompts while the clock prices every program 8,192 / 32,768 tokens longer (their
+prefill included); reported beside SpecScore, which stays solo / team / busy.
+--simulate_acceptance=NAME|PATH: the candidate's acceptance is drawn from a published profile
+(mtpjax/simulated_acceptance.py), for timing only: the card says so and the lossless gate is
+"not applicable".
 
 With FP8 weights (`--weights=fp8` quantizes a dense checkpoint at load; stock and candidate both
 run the same FP8 params, so the gate compares like with like), the card adds an `fp8` section,
