@@ -210,11 +210,14 @@ def render_range_md(c: dict) -> list[str]:
     lines = [f"Range over the clock's constants (fast / mid / slow bandwidth, launch and "
              f"program cost, mtpjax/cost_model.py; one run repriced, the depths chosen at mid): "
              f"**SpecScore {f(rg['specscore'])}** as [low, mid, high]", "",
-             "| workload | ratio [low, mid, high] | stock ms/token | candidate ms/token |",
-             "|---|---|---|---|"]
+             "| workload | ratio [low, mid, high] | stock ms/token | candidate ms/token | "
+             "ms/token at mid without the long context's prefill, stock / candidate |",
+             "|---|---|---|---|---|"]
     for w, v in rg["workloads"].items():
+        dec = v.get("ms_per_token_without_long_prefill_mid") or {}
         lines.append(f"| {w} | {f(v['ratio'])} | {f(v['ms_per_token']['stock'], 2)} | "
-                     f"{f(v['ms_per_token']['candidate'], 2)} |")
+                     f"{f(v['ms_per_token']['candidate'], 2)} | "
+                     f"{_fmt(dec.get('stock'), 2)} / {_fmt(dec.get('candidate'), 2)} |")
     return lines
 
 

@@ -759,6 +759,7 @@ class VirtualClock:
         self.context_offset = int(context_offset)
         self._offset_prefill = [model.prefill(min(offset_chunk, context_offset - s), s)
                                 for s in range(0, context_offset, offset_chunk)]
+        self.offset_prefill_s = 0.0      # of device_s: those prefills (mid constants)
         self.device_s = 0.0
         self.host_s = 0.0
         self.launches: collections.Counter = collections.Counter()
@@ -780,6 +781,7 @@ class VirtualClock:
             contexts = [c + off for c in contexts]
             if key[0] in ("prefill", "mixed"):
                 costs = self._offset_prefill * (start == 0)
+                self.offset_prefill_s += sum(c.seconds for c in costs)
                 start += off
         costs.append(self.model.program(key, contexts, start, is_last))
         s = sum(c.seconds for c in costs)

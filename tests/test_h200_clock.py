@@ -267,6 +267,9 @@ def test_judge_card_on_the_h200_clock(judge_ckpt, tmp_path):
         assert long_ms[name][1] > rg["workloads"]["solo"]["ms_per_token"][name][1], name
         assert on_disk["ttft_ms"]["solo_32k"][name] > 1e3 * sum(
             CostModel(K=0).prefill(2048, s).seconds for s in range(0, 32768, 2048))
+        # the 32k prefill left out: well under the all-in ms per token
+        dec = rg["workloads"]["solo_32k"]["ms_per_token_without_long_prefill_mid"][name]
+        assert 0 < dec < 0.5 * long_ms[name][1], (dec, long_ms[name])
     pol = on_disk["policy"]["solo_32k"]["replicas"][0]["costs_ms"]
     assert pol and all(cell.endswith("/c65536") for cell in pol), pol   # the priced context
     md = (tmp_path / "card.md").read_text()
