@@ -177,7 +177,7 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
                          _sds((B, steps.LOGIT_BIAS_MAX), f32),
                          _sds((B, pages_per_lane * page_size), i32), _sds((B,), i32),
                          _sds((B,), f32), _sds((B,), f32), _sds((B,), f32),
-                         _sds((B,), jnp.bool_))
+                         _sds((B,), jnp.bool_), _sds((B,), i32))
         return (m, x) if mesh is None else _place((m, x), rep)
     for k in depths:      # k MTP passes: the re-run over the accepted pairs + k - 1 chained
         progs.append(Program(

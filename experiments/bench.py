@@ -154,6 +154,7 @@ flags.DEFINE_integer("sweep_requests_per_lane", 2, "--sweep=lanes: greedy reques
 flags.DEFINE_integer("sweep_new_tokens", 48, "--sweep=lanes: tokens generated per request")
 flags.DEFINE_integer("sweep_prompt_tokens", 32, "--sweep=lanes: prompt length (held-out text)")
 card_lib.define_clock_flag()
+card_lib.define_simulate_flag()
 flags.DEFINE_integer("sweep_passes", 2, "--sweep=lanes: timed passes per cell (interleaved "
                      "across depths; the cell reports the median)")
 
@@ -676,13 +677,17 @@ def sweep_main(log) -> None:
               f"clock: {FLAGS.clock}" + (f" ({card_lib.predicted_words(FLAGS.tp)}: tokens, "
                                          "acceptance and depths are real)"
                                          if FLAGS.clock != "wall" else " (timed here)")]
+    if FLAGS.simulate_acceptance:
+        header.append(f"simulated acceptance: {FLAGS.simulate_acceptance} (each verify step "
+                      "accepts a seeded draw from the profile; timing only)")
     for line in header:
         log(line)
     res = depth_sweep.run_sweep(cfg, params, prompts, lanes=lanes, depths=depths,
                                 requests_per_lane=FLAGS.sweep_requests_per_lane,
                                 new_tokens=FLAGS.sweep_new_tokens, passes=FLAGS.sweep_passes,
                                 kernels=kernels, page_size=FLAGS.page_size, log=log,
-                                clock=FLAGS.clock)
+                                clock=FLAGS.clock,
+                                simulate_acceptance=FLAGS.simulate_acceptance)
     table = depth_sweep.format_table(res)
     doc = {"command": command_line(), "date": date, "device": info,
            "model": {**desc, "config": config_summary(cfg), "dtype": dtype},

@@ -24,6 +24,30 @@ def define_clock_flag() -> None:
         flags.DEFINE_enum("clock", "wall", list(CLOCKS), CLOCK_HELP)
 
 
+SIMULATE_HELP = ("simulated acceptance for planning, timing only: each verify step accepts as "
+                 "many drafts as a seeded draw from this profile (a name in "
+                 "mtpjax/simulated_acceptance.py PROFILES, e.g. qwen3.5-27b-nothink, or a JSON "
+                 "file); the tokens are then not the model's, and the judge's lossless gate "
+                 "reports 'not applicable'")
+
+
+def define_simulate_flag() -> None:
+    """--simulate_acceptance for the timing sub-commands (judge, bench, speed, serve_bench);
+    a repeated call is a no-op."""
+    from absl import flags
+    if "simulate_acceptance" not in flags.FLAGS:
+        flags.DEFINE_string("simulate_acceptance", None, SIMULATE_HELP)
+
+
+def simulator(spec: str | None, seed: int = 0):
+    """A simulated_acceptance.Simulator for the flag's value, or None (the flag unset); bad
+    names fail here, before anything loads."""
+    if not spec:
+        return None
+    from mtpjax import simulated_acceptance
+    return simulated_acceptance.Simulator(spec, seed)
+
+
 def predicted_words(tp: int = 1) -> str:
     """The line every h200-clock report carries."""
     where = "one H200" if tp == 1 else f"{tp} H200s (tensor parallel)"
@@ -32,7 +56,7 @@ def predicted_words(tp: int = 1) -> str:
 
 
 def make_clock(clock: str, k: int, *, weights: str = "bf16", tp: int = 1, page_size: int = 16,
-               draft_vocab: int | None = None):
+               draft_vocab: int | None = None, context_offset: int = 0):
     """None for "wall"; for "h200" a fresh VirtualClock over CostModel(weights, tp, K = k, the
     engine's page size, the 27B's draft vocabulary rows): one per engine, since each engine's
     time is its own."""
@@ -42,7 +66,8 @@ def make_clock(clock: str, k: int, *, weights: str = "bf16", tp: int = 1, page_s
         return None
     from mtpjax.cost_model import CostModel, VirtualClock
     return VirtualClock(CostModel(weights=weights, tp=tp, K=k, page_size=page_size,
-                                  draft_vocab=draft_vocab if k > 0 else None))
+                                  draft_vocab=draft_vocab if k > 0 else None),
+                        context_offset=context_offset)
 
 
 def clock_weights(params) -> str:
@@ -66,7 +91,15 @@ def _fmt(x, nd=3):
 def render_md(c: dict) -> str:
     L = c["limits"]
     ok = lambda b: "pass" if b else "FAIL"
-    lines = ["# mtpjax judge card", ""]
+    sim = c.get("simulated_acceptance")
+    lines = ["# mtpjax judge card" + (" — simulated acceptance" if sim else ""), ""]
+    if sim:
+        lines += [f"**Simulated acceptance ({sim['profile']}: tokens per verify step "
+                  f"{', '.join(f'{x:.2f}' for x in sim['tokens_per_verify_step'])} at k = 1.."
+                  f"{len(sim['tokens_per_verify_step'])}; {sim['source']}).** Each verify step "
+                  f"accepted a seeded draw from this profile, whatever the drafts: times and "
+                  f"ratios are for planning; the tokens are not the model's, and the lossless "
+                  f"gate is not applicable.", ""]
     st = c["settings"]
     h200 = c.get("clock") == "h200"
     if h200:
@@ -92,10 +125,27 @@ def render_md(c: dict) -> str:
                      f"{_fmt(tt.get('stock'), 1)} / {_fmt(tt.get('candidate'), 1)} | "
                      f"{_fmt(c['acceptance'][w])} | {_fmt(util, 2)} | "
                      f"{_fmt(pu.get('stock'), 2)} / {_fmt(pu.get('candidate'), 2)} |")
+    long = {w: n for w, n in (st.get("long_context") or {}).items() if n}
+    if long:
+        lines += ["", "Long-context workloads (" + ", ".join(f"{w}: {n:,} tokens" for w, n in
+                                                       long.items())
+                  + "): the engines run the checkpoint's own short prompts here; the H200 clock "
+                  "prices every program as if each lane's context held that many more tokens "
+                  "before its prompt, and each request's first chunk also pays their prefill "
+                  "(2,048-token chunks); the depth policy keys its costs by that priced "
+                  "context. Tokens and acceptance are the short prompts' (or the simulated "
+                  "profile's), not a long prompt's. SpecScore is over solo, team and busy "
+                  "only; these ratios are reported beside it.", ""]
     if h200:
         lines += [""] + render_host_md(c)
+        rng = render_range_md(c)
+        if rng:
+            lines += [""] + rng
+    gate_words = ("not applicable (simulated acceptance)" if sim else
+                  f"{'PASS' if c['reason'] is None else 'FAIL (' + c['reason'] + ')'}")
     lines += ["", f"**SpecScore {c['specscore']:.3f}** (geometric mean of the workload ratios) · "
-              f"score {c['score']:.3f} · gate: {'PASS' if c['reason'] is None else 'FAIL (' + c['reason'] + ')'}", ""]
+              + ("" if sim else f"score {c['score']:.3f} · ") + f"gate: {gate_words}", ""]
+    before_gate = len(lines)
     lk, am, m = c["likelihood"], c["argmax"], c["memory"]
     proc = ("" if m.get("process_peak_mib") is None else
             f"; process-wide device peak, all engines: {m['process_peak_mib']:.1f} MiB")
@@ -114,6 +164,10 @@ def render_md(c: dict) -> str:
               f"| sampled_agreement | {c['sampled_agreement']:.4f} | reported | - |"]
     for w, v in c["lengths"].items():
         lines.append(f"| lengths/{w} | {v['ratio']:.3f} [{v['low']:.3f}, {v['high']:.3f}] | 1 ± {L['length_margin']} | {ok(c['checks']['lengths'])} |")
+    if sim:     # the candidate's tokens are the profile's draws, not the model's
+        del lines[before_gate:]
+        lines.append("Lossless gate: **not applicable** (simulated acceptance: the candidate "
+                     "emitted drafts the profile accepted, not the model's tokens).")
     lines += [""] + render_depth_md(c)
     lines += ["", "Per-step time (ms, median over passes; draft + verify + accept run as one program"
               + ("; step: modelled H200 device time, host: measured here" if h200 else "")
@@ -144,6 +198,27 @@ def clock_words(c: dict) -> str:
             f"program at its real shapes for the 27B ({w} weights, tp {st.get('tp', 1)}), and "
             f"the host time measured here (scheduling, bookkeeping, the policy) was added "
             f"(per workload below). Memory and the gate's quality checks are this machine's.")
+
+
+def render_range_md(c: dict) -> list[str]:
+    """The clock's range: SpecScore and each workload's ratio and ms per token at [low, mid,
+    high] over its three constant sets (h200.range)."""
+    rg = (c.get("h200") or {}).get("range")
+    if not rg:
+        return []
+    f = lambda xs, nd=3: "[" + ", ".join(f"{x:.{nd}f}" for x in xs) + "]"
+    lines = [f"Range over the clock's constants (fast / mid / slow bandwidth, launch and "
+             f"program cost, mtpjax/cost_model.py; one run repriced, the depths chosen at mid): "
+             f"**SpecScore {f(rg['specscore'])}** as [low, mid, high]", "",
+             "| workload | ratio [low, mid, high] | stock ms/token | candidate ms/token | "
+             "ms/token at mid without the long context's prefill, stock / candidate |",
+             "|---|---|---|---|---|"]
+    for w, v in rg["workloads"].items():
+        dec = v.get("ms_per_token_without_long_prefill_mid") or {}
+        lines.append(f"| {w} | {f(v['ratio'])} | {f(v['ms_per_token']['stock'], 2)} | "
+                     f"{f(v['ms_per_token']['candidate'], 2)} | "
+                     f"{_fmt(dec.get('stock'), 2)} / {_fmt(dec.get('candidate'), 2)} |")
+    return lines
 
 
 def render_host_md(c: dict) -> list[str]:

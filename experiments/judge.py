@@ -28,7 +28,14 @@ predicts for Qwen3.5-27B on an H200 running this exact schedule (the engines sti
 the tokens, hence acceptance, depths chosen and every gate check, are real); the host time
 measured here is added to each clock and reported on its own line. card.json gets "clock":
 "h200" (else "wall") and an "h200" section (each clock's device and host seconds, launches,
-the cost model's constants).
+the cost model's constants, and `range`: SpecScore, ratios and ms per token at [low, mid, high]
+over the clock's fast / mid / slow constant sets, one run repriced).
+Long-context workloads (--clock=h200 only): solo_8k, team_8k, solo_32k, team_32k run the
+solo / team prompts while the clock prices every program 8,192 / 32,768 tokens longer (their
+prefill included); reported beside SpecScore, which stays solo / team / busy.
+--simulate_acceptance=NAME|PATH: the candidate's acceptance is drawn from a published profile
+(mtpjax/simulated_acceptance.py), for timing only: the card says so and the lossless gate is
+"not applicable".
 
 With FP8 weights (`--weights=fp8` quantizes a dense checkpoint at load; stock and candidate both
 run the same FP8 params, so the gate compares like with like), the card adds an `fp8` section,
@@ -130,6 +137,7 @@ flags.DEFINE_integer("chat_conversations", 8, "conversations of the chat workloa
 flags.DEFINE_integer("chat_turns", 3, "turns per conversation")
 flags.DEFINE_integer("chat_system_tokens", 64, "shared system prompt length (tokens)")
 card_lib.define_clock_flag()
+card_lib.define_simulate_flag()
 
 
 @dataclasses.dataclass
@@ -171,6 +179,8 @@ class JudgeConfig:
     clock: str = "wall"         # wall | h200 (card_lib.make_clock: modelled 27B on an H200)
     draft_vocab: float = 0.0    # candidate's draft vocabulary: share (< 1) or size; 0 none
     clock_draft_vocab: int = 0  # the h200 clock's 27B draft rows (0: draft_vocab's share)
+    simulate_acceptance: str | None = None   # profile: the candidate's acceptance drawn
+                                             # from it (timing only; gate not applicable)
 
 
 def _from_flags() -> JudgeConfig:
@@ -187,7 +197,7 @@ def _from_flags() -> JudgeConfig:
         gate_prompts=f.gate_prompts, fidelity_tokens=f.fidelity_tokens,
         fidelity_lanes=f.fidelity_lanes, seed=f.seed, progress=f.progress, tp=f.tp, dp=f.dp,
         prefix_cache=f.prefix_cache, clock=f.clock, draft_vocab=f.draft_vocab,
-        clock_draft_vocab=f.clock_draft_vocab,
+        clock_draft_vocab=f.clock_draft_vocab, simulate_acceptance=f.simulate_acceptance,
         lane_buckets=tuple(int(b) for b in f.lane_buckets) if f.lane_buckets else None,
         prefill_buckets=tuple(int(b) for b in f.prefill_buckets),
         chat=(chat_workload.ChatSpec(f.chat_conversations, f.chat_turns, f.chat_system_tokens)
@@ -235,6 +245,11 @@ def check_config(jc: JudgeConfig, cfg=None) -> None:
         raise ValueError(f"--passes must be >= 1, got {jc.passes}")
     if jc.clock not in card_lib.CLOCKS:
         raise ValueError(f"--clock must be one of {card_lib.CLOCKS}, got {jc.clock!r}")
+    card_lib.simulator(jc.simulate_acceptance)      # an unknown profile fails here
+    for w in jc.workloads:
+        if long_context(w)[1] and jc.clock != "h200":
+            raise ValueError(f"workload {w!r} is a long context priced by the H200 clock: run it "
+                             "with --clock=h200")
     if jc.clock != "wall" and jc.dp > 1:
         raise ValueError("--clock=h200 models one engine per clock; dp replicas would each need "
                          "their own and a rule to merge them: run with --dp=1")
@@ -242,11 +257,37 @@ def check_config(jc: JudgeConfig, cfg=None) -> None:
         raise ValueError(f"{jc.checkpoint} has no MTP head: the candidate cannot draft")
 
 
-def candidate_policy(jc: JudgeConfig, k: int):
+def candidate_policy(jc: JudgeConfig, k: int, context_offset: int = 0):
     """The Engine's speculation_policy: "adaptive" (each engine, each dp replica, builds its
     own AdaptiveDepth, so what one workload learned never leaks into another's run) or None
-    (fixed depth K whenever the pages allow). Stock (k = 0) has one depth only."""
-    return "adaptive" if (k and jc.adaptive) else None
+    (fixed depth K whenever the pages allow). Stock (k = 0) has one depth only. A
+    long-context workload's policy keys its costs by the context the clock prices."""
+    if not (k and jc.adaptive):
+        return None
+    if context_offset:
+        from mtpjax.depth import AdaptiveDepth
+        return AdaptiveDepth(context_offset=context_offset)
+    return "adaptive"
+
+
+# Long-context workloads on the H200 clock: "<solo|team>_<8k|32k>" (see long_context).
+LONG_CONTEXTS = {"8k": 8192, "32k": 32768}
+BASE_WORKLOADS = ("solo", "team", "busy")
+
+
+def long_context(name: str) -> tuple[str, int]:
+    """(base workload, tokens the clock adds before every prompt): "solo_32k" -> ("solo",
+    32768), "team" -> ("team", 0). The engines run the checkpoint's short prompts (the tiny's
+    context is small, and a 32k prefill on this CPU would take the run); the clock prices
+    the 27B as if each lane held that many more tokens (cost_model.VirtualClock
+    context_offset), its prefill included."""
+    base, _, size = name.partition("_")
+    if not size:
+        return name, 0
+    if base not in ("solo", "team") or size not in LONG_CONTEXTS:
+        raise ValueError(f"unknown workload {name!r}: long-context workloads are solo or team "
+                         f"with a suffix of {', '.join(LONG_CONTEXTS)} (e.g. solo_8k)")
+    return base, LONG_CONTEXTS[size]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -268,7 +309,8 @@ def engine_shape(jc: JudgeConfig, lanes: list[int], max_seq_len: int) -> EngineS
 
 
 def make_engine(cfg, params, jc: JudgeConfig, k: int, lanes: int, num_pages: int | None,
-                shape: EngineShape, placed=None, prefix_cache: bool = False):
+                shape: EngineShape, placed=None, prefix_cache: bool = False,
+                context_offset: int = 0):
     """Stock (k = 0) and candidate engines differ only in speculation (k and its depth policy):
     same lanes, pool, kernels and devices (jc.tp x jc.dp; `placed`: the params already laid
     out there, shared). `lanes` and `num_pages` (None: every lane at full context) are the
@@ -279,11 +321,15 @@ def make_engine(cfg, params, jc: JudgeConfig, k: int, lanes: int, num_pages: int
     VirtualClock (card_lib.make_clock). The device pool is the Engine's default for the
     shape's lane_slots (every slot at full context)."""
     clock = card_lib.make_clock(jc.clock, k, weights=card_lib.clock_weights(params), tp=jc.tp,
-                                page_size=jc.page_size, draft_vocab=clock_draft_rows(jc, cfg))
+                                page_size=jc.page_size, draft_vocab=clock_draft_rows(jc, cfg),
+                                context_offset=context_offset)
     return mtpjax.make_engine(cfg, params, tp=jc.tp, dp=jc.dp, placed=placed, clock=clock,
                               draft_vocab=draft_ids(jc, cfg) if k > 0 else None,
                               num_speculative_tokens=k,
-                              speculation_policy=candidate_policy(jc, k), max_lanes=lanes,
+                              speculation_policy=candidate_policy(jc, k, context_offset),
+                              simulate_acceptance=(card_lib.simulator(jc.simulate_acceptance,
+                                                                      jc.seed) if k else None),
+                              max_lanes=lanes,
                               max_seq_len=shape.max_seq_len, kernels=jc.kernels,
                               page_size=jc.page_size,
                               num_pages=num_pages,
@@ -362,6 +408,7 @@ def process_peak_mib() -> float | None:
 # ------------------------------------------------------------------------------- workloads
 
 def workload_plan(name: str, jc: JudgeConfig, prompts):
+    name = long_context(name)[0]
     if name == "solo":
         return 1, prompts[:jc.solo_requests]
     if name == "team":
@@ -463,7 +510,9 @@ def _clock_totals(engine) -> dict | None:
     clock = getattr(engine, "clock", None)
     if clock is None:
         return None
-    return {"device_s": clock.device_s, "host_s": clock.host_s, "launches": dict(clock.launches)}
+    return {"device_s": clock.device_s, "host_s": clock.host_s, "launches": dict(clock.launches),
+            "device_range_s": dict(clock.device_range),
+            "offset_prefill_s": clock.offset_prefill_s}
 
 
 def _clock_delta(engine, before: dict | None) -> dict | None:
@@ -474,6 +523,9 @@ def _clock_delta(engine, before: dict | None) -> dict | None:
         return None
     return {"device_s": after["device_s"] - before["device_s"],
             "host_s": after["host_s"] - before["host_s"],
+            "device_range_s": {n: v - before["device_range_s"][n]
+                               for n, v in after["device_range_s"].items()},
+            "offset_prefill_s": after["offset_prefill_s"] - before["offset_prefill_s"],
             "launches": {key: n - before["launches"].get(key, 0)
                          for key, n in after["launches"].items()
                          if n - before["launches"].get(key, 0)}}
@@ -967,7 +1019,7 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
     for w, (lanes, _) in plans.items():
         for kk in (0, k):
             engines[(w, kk)] = make_engine(cfg, params, jc, kk, lanes, pool[w], shape,
-                                           placed=placed)
+                                           placed=placed, context_offset=long_context(w)[1])
     if jc.chat is not None:
         for kk in (0, k):
             engines[("chat", kk)] = make_engine(cfg, params, jc, kk, jc.team_lanes, None, shape,
@@ -1087,7 +1139,9 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
         "greedy_agreement": gate.greedy_agreement(g_c, g_s),
         "sampled_agreement": gate.sampled_agreement(rep[k], rep[0]),
         "lengths": lengths,
-        "ratios": ratios,
+        # SpecScore: solo / team / busy (the long-context workloads are reported beside it)
+        "ratios": ({w: v for w, v in ratios.items() if w in BASE_WORKLOADS}
+                   if any(w in BASE_WORKLOADS for w in ratios) else ratios),
         "page_use": page_use,
     }
     verdict = gate.evaluate(measured, jc.limits, dtype=jc.dtype)
@@ -1096,7 +1150,13 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
     # the split times this machine's programs: nothing the H200 clock could say (None there)
     draft_verify = (step_split(cfg, split_params, split_at, k, kernels)
                     if k and jc.clock == "wall" else None)
+    sim = engines[(jc.workloads[0], k)].simulated
+    if sim is not None:         # timing only: the candidate's tokens are not the model's
+        verdict = {**verdict, "reason": None, "score": None, "gate": "not applicable",
+                   "checks": {name: None for name in verdict["checks"]}}
     card = {
+        "simulated_acceptance": None if sim is None else sim.report(),
+        "gate": verdict.get("gate", "applied"),
         "ratios": ratios,
         "specscore": verdict["specscore"],
         "greedy_agreement": measured["greedy_agreement"],
@@ -1148,6 +1208,7 @@ def run_judge(jc: JudgeConfig, candidate_k: int | None = None) -> dict:
             "lanes": {w: plans[w][0] for w in plans}, "requests": {w: len(plans[w][1]) for w in plans},
             "page_size": jc.page_size, "busy_pages": pool.get("busy"),
             "tp": jc.tp, "dp": jc.dp, "prefix_cache": jc.prefix_cache,
+            "long_context": {w: long_context(w)[1] for w in plans},
             "device": str(jax.devices()[0].device_kind), "backend": jax.default_backend(),
             "versions": {"jax": jax.__version__, "python": platform.python_version()},
             "compiled_programs": {f"{w}/k={kk}": e.stats().get("compiled_programs")
@@ -1188,13 +1249,50 @@ def clock_section(results: dict, chat_runs: dict | None, engines: dict, k: int) 
         out["chat"] = {name(kk): total(chat_runs[kk]) for kk in (0, k)}
     report = next(iter(engines.values())).clock.report()
     model = {key: v for key, v in report.items()
-             if key not in ("device_s", "host_s", "now", "launches")}
-    return {"workloads": out, "model": model,
+             if key not in ("device_s", "host_s", "now", "launches", "device_range_s")}
+    return {"workloads": out, "model": model, "range": range_section(results, k),
             "how": "each engine has its own clock: every program it launches adds the cost "
                    "model's price at the program's shapes (device_s); host_s is this "
                    "machine's measured time inside Engine.step outside the programs and the "
                    "caller's on_token callbacks (mtpjax/engine.py); tokens/s = tokens / "
                    "(device_s + host_s) of the pass"}
+
+
+def range_section(results: dict, k: int) -> dict:
+    """The card's h200.range: SpecScore, each workload's ratio and ms per token (1000 / tokens
+    per second, all lanes together) as [low, mid, high] over the clock's three constant sets
+    (cost_model.H200_FAST, H200, H200_SLOW). Every pass was run once; each engine's clock
+    priced its launches at all three sets, and the measured host time is the same in each.
+    The depth policy chose its depths on the mid prices, so low and high are the mid run's
+    schedule repriced (a policy on a faster or slower GPU could choose other depths)."""
+    from mtpjax.cost_model import H200_RANGE_NAMES, range_of
+    name = lambda kk: "stock" if kk == 0 else "candidate"
+    sec = lambda r, n: r["clock"]["device_range_s"][n] + r["clock"]["host_s"]
+    ratio, ms, out = {n: {} for n in H200_RANGE_NAMES}, {}, {}
+    for w, runs in results.items():
+        st, ca = runs["stock"], runs["candidate"]
+        for n in H200_RANGE_NAMES:
+            ratio[n][w] = statistics.median([(c["tokens"] / sec(c, n)) / (s["tokens"] / sec(s, n))
+                                             for s, c in zip(st, ca)])
+        ms = {name(kk): range_of({n: statistics.median([1e3 * sec(r, n) / r["tokens"]
+                                                        for r in runs[name(kk)]])
+                                  for n in H200_RANGE_NAMES}) for kk in (0, k)}
+        # a long context's own prefill left out (mid): what the decoding costs per token
+        tpot = {name(kk): statistics.median([1e3 * (sec(r, "mid") - r["clock"]["offset_prefill_s"])
+                                             / r["tokens"] for r in runs[name(kk)]])
+                for kk in (0, k)}
+        out[w] = {"ratio": range_of({n: ratio[n][w] for n in H200_RANGE_NAMES}),
+                  "ms_per_token": ms, "ms_per_token_without_long_prefill_mid": tpot}
+    scored = [w for w in results if w in BASE_WORKLOADS] or list(results)   # as SpecScore
+    spec = {n: float(np.exp(np.mean(np.log([ratio[n][w] for w in scored]))))
+            for n in H200_RANGE_NAMES}
+    return {"specscore": range_of(spec), "workloads": out,
+            "by_constants": {"specscore": spec, "ratio": ratio},
+            "how": "[low, mid, high] over three constant sets (fast, mid, slow: bandwidth, "
+                   "launch cost per kernel, cost per program; mtpjax/cost_model.py H200_FAST, "
+                   "H200, H200_SLOW with their sources); one run, every launch priced at the "
+                   "three sets; host time measured once; the depth policy chose its depths "
+                   "on the mid prices, so low and high reprice the mid run's schedule"}
 
 
 def main(argv):

@@ -49,6 +49,7 @@ flags.DEFINE_integer("max_tokens", 64, "max_tokens of every request")
 flags.DEFINE_string("serve_flags", "", "extra flags for `python -m experiments serve`")
 flags.DEFINE_string("out", "runs/serve_bench/card.json", "where to write the results")
 card_lib.define_clock_flag()
+card_lib.define_simulate_flag()
 flags.DEFINE_float("startup_timeout_s", 1800.0, "how long the server may take to come up "
                    "(warmup compiles every decode program)")
 
@@ -205,6 +206,8 @@ def clock_main(levels: list[int]) -> dict:
     engine.clock = card_lib.make_clock("h200", engine.k,
                                        weights=card_lib.clock_weights(engine.params),
                                        tp=engine.tp, page_size=engine.page_size)
+    if engine.k:                            # timing only: the replies are not the model's
+        engine.simulated = card_lib.simulator(FLAGS.simulate_acceptance)
     startup = time.perf_counter() - t0
     words = card_lib.predicted_words(engine.tp)
     say = lambda m: print(f"[serve_bench h200] {m}", file=sys.stderr, flush=True)
@@ -229,6 +232,8 @@ def clock_main(levels: list[int]) -> dict:
             "serve_command": "serve " + FLAGS.serve_flags + " (load_server, in this process)",
             "max_tokens": FLAGS.max_tokens, "rounds": FLAGS.rounds, "startup_s": startup,
             "cpu_count": os.cpu_count(), "levels": rows,
+            "simulated_acceptance": (None if engine.simulated is None
+                                     else engine.simulated.report()),
             "model": engine.clock.report()["model"]}
 
 
@@ -250,6 +255,9 @@ def main(argv):
     levels = [int(c) for c in FLAGS.concurrency]
     if not levels or min(levels) < 1:
         raise SystemExit(f"--concurrency needs positive integers, got {FLAGS.concurrency}")
+    if FLAGS.simulate_acceptance and FLAGS.clock == "wall":
+        raise SystemExit("--simulate_acceptance needs --clock=h200 here (the in-process engine "
+                         "session; the HTTP server runs the model's own acceptance)")
     if FLAGS.clock != "wall":
         _write(clock_main(levels))
         return

@@ -51,6 +51,7 @@ flags.DEFINE_bool("hf", True, "add the transformers generate row when transforme
 flags.DEFINE_integer("seed", 0, "prompt seed")
 flags.DEFINE_string("out", "", "also write the JSON rows here")
 card_lib.define_clock_flag()
+card_lib.define_simulate_flag()
 
 
 def _time(fn, repeats: int, now=time.perf_counter, clock=None) -> tuple[list[int], float, dict]:
@@ -74,11 +75,12 @@ def _time(fn, repeats: int, now=time.perf_counter, clock=None) -> tuple[list[int
 
 
 def engine_row(cfg, params, prompt, *, lanes: int, k: int, n_new: int, kernels, repeats: int,
-               clock: str = "wall"):
+               clock: str = "wall", simulate_acceptance: str | None = None):
     max_seq = len(prompt) + n_new + 8
     e = mtpjax.Engine(cfg, params, num_speculative_tokens=k, max_lanes=lanes, max_seq_len=max_seq,
                       kernels=None if kernels == "auto" else kernels,
-                      eos_token_ids=())             # generate exactly n_new tokens
+                      eos_token_ids=(),             # generate exactly n_new tokens
+                      simulate_acceptance=card_lib.simulator(simulate_acceptance) if k else None)
     e.clock = card_lib.make_clock(clock, k, weights=card_lib.clock_weights(params),
                                   page_size=e.page_size)
     sp = SamplingParams(temperature=0.0, max_new_tokens=n_new)
@@ -125,7 +127,7 @@ def main(argv):
     rng = np.random.default_rng(FLAGS.seed)
     prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, FLAGS.prompt_len)]
     kw = dict(n_new=FLAGS.max_new_tokens, kernels=FLAGS.kernels, repeats=FLAGS.repeats,
-              clock=FLAGS.clock)
+              clock=FLAGS.clock, simulate_acceptance=FLAGS.simulate_acceptance)
     cells = [(1, 0), (FLAGS.lanes, 0)]
     if FLAGS.num_speculative_tokens and cfg.has_mtp:
         cells.append((FLAGS.lanes, FLAGS.num_speculative_tokens))
@@ -146,7 +148,7 @@ def main(argv):
     print(format_rows(rows, FLAGS.clock))
     out = {"checkpoint": os.path.abspath(FLAGS.checkpoint), "prompt_len": FLAGS.prompt_len,
            "max_new_tokens": FLAGS.max_new_tokens, "repeats": FLAGS.repeats,
-           "clock": FLAGS.clock,
+           "clock": FLAGS.clock, "simulated_acceptance": FLAGS.simulate_acceptance,
            "time": (card_lib.predicted_words() + "; rows marked wall are this machine's"
                     if FLAGS.clock == "h200" else "wall time on this machine"), "rows": rows}
     if FLAGS.out:

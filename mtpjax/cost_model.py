@@ -99,6 +99,63 @@ H200 = Hardware(
                      "executable: argument handling, the launch, the result's readiness)",
     })
 
+# The clock's range ("a range, not a point"): the same launches priced at a fast and a slow
+# set of constants around H200 (the mid set, unchanged). A run is recorded once and every
+# launch priced at all three sets (VirtualClock.device_range), so the depth policy, which
+# learns from the clock's modelled step times, chose its depths at the MID constants: the
+# fast and slow totals are the mid run's schedule repriced, not what the policy would have
+# chosen on such a GPU. Each bound, with its source or marked as an assumption:
+H200_FAST = dataclasses.replace(
+    H200, name="NVIDIA H200 SXM 141 GB, fast bound",
+    hbm_bytes_per_s=4.32e12, launch_s=1.0e-6, program_s=10e-6,
+    sources={
+        "hbm_bytes_per_s": "assumption: 0.90 of the 4.8 TB/s datasheet peak. The best "
+                           "published SM copy-kernel figure found for an HBM3 Hopper part is "
+                           "3.3 TB/s on an H20 (4.0 TB/s peak: 0.83; "
+                           "https://github.com/NVIDIA/cuda-samples/issues/366); no H200 "
+                           "measurement above the mid constant's 0.84 was found, so 0.90 is "
+                           "a margin above it, not a measurement",
+        "launch_s": "CUDA.jl: 80 small broadcast kernels replayed as one CUDA graph in 70 us, "
+                    "~0.9 us a kernel including its run "
+                    "(https://cuda.juliagpu.org/dev/usage/graphs/); 1.0 us: every kernel of "
+                    "a step replayed inside a graph",
+        "program_s": "assumption: half the mid constant (one XLA executable launch with its "
+                     "arguments ready and no host sync); no published figure was found",
+    })
+H200_SLOW = dataclasses.replace(
+    H200, name="NVIDIA H200 SXM 141 GB, slow bound",
+    hbm_bytes_per_s=3.6e12, launch_s=4.5e-6, program_s=40e-6,
+    sources={
+        "hbm_bytes_per_s": "0.75 of the 4.8 TB/s peak: the device-local copy an H100 SXM "
+                           "reaches through the copy engine in p2pBandwidthLatencyTest, ~2.5 "
+                           "TB/s of its 3.35 TB/s (https://github.com/NVIDIA/nccl/issues/1264); "
+                           "cudaMemcpy on an H20, 2 TB/s of 4.0 "
+                           "(https://github.com/NVIDIA/cuda-samples/issues/366), is lower still "
+                           "but is no kernel's read path",
+        "launch_s": "a kernel launched from the stream, outside any graph: ~4-6 us each "
+                    "(https://susun-blog.com/blog/pegainfer-3-cuda-graph, RTX 5070 Ti); "
+                    "4.5 us: XLA replays none of the step as a command buffer",
+        "program_s": "assumption: twice the mid constant (argument handling and a host "
+                     "sync per program); no published figure was found",
+    })
+H200_RANGE_NAMES = ("fast", "mid", "slow")
+
+
+def price(cost: "Cost", hw: Hardware) -> float:
+    """Seconds of a program whose bytes, FLOPs and kernels are `cost`'s on `hw`:
+    max(bytes / bandwidth, FLOPs / bf16 throughput) + launch cost x kernels + program cost
+    (weight-only FP8 runs its matmuls in bf16)."""
+    t = max(cost.total_bytes / hw.hbm_bytes_per_s, cost.flops / hw.bf16_flops_per_s)
+    return t + hw.launch_s * cost.kernels + hw.program_s
+
+
+def range_of(values: Mapping[str, float]) -> list[float]:
+    """[low, mid, high] of a quantity priced at the fast / mid / slow constant sets: the
+    smallest and largest of the three around the mid set's value."""
+    v = [float(values[n]) for n in H200_RANGE_NAMES]
+    return [min(v), v[1], max(v)]
+
+
 # sampling.verify / sample over the target's logits: full-vocabulary f32 passes per verified
 # row, as the deviceless compile of steps.decode_step shows them (hlo_audit.traffic of the
 # sampler's kernels, Qwen3.5-27B widths, 1..160 rows): 18.9 passes at one row, 17.1 at 8, 16.5
@@ -381,14 +438,9 @@ class CostModel:
 
     def _finish(self, bytes_: dict, must: dict, flops: float, kernels: int,
                 fp8_share: float = 0.0) -> Cost:
-        total = sum(bytes_.values())
-        thr = self.hw.fp8_flops_per_s if self.weights == "fp8" else self.hw.bf16_flops_per_s
-        # weight-only FP8: the matmuls still run in bf16 (activations bf16)
-        thr = self.hw.bf16_flops_per_s
-        t = max(total / self.hw.hbm_bytes_per_s, flops / thr)
-        t += self.hw.launch_s * kernels + self.hw.program_s
-        return Cost({k: float(v) for k, v in bytes_.items()}, float(flops), int(kernels),
-                    float(t), {k: float(v) for k, v in must.items()})
+        cost = Cost({k: float(v) for k, v in bytes_.items()}, float(flops), int(kernels),
+                    0.0, {k: float(v) for k, v in must.items()})
+        return dataclasses.replace(cost, seconds=float(price(cost, self.hw)))
 
     # ------------------------------------------------------------------ programs
     def decode(self, depth: int, lanes: int, contexts: Sequence[int]) -> Cost:
@@ -688,13 +740,35 @@ class VirtualClock:
     """The H200 clock an engine run advances: every launched program adds its modelled
     seconds (device; `launch` prices the engine's key with CostModel.program: a "mixed" key
     at its decode lanes' contexts and its chunk's start), the caller adds measured host
-    seconds."""
+    seconds. Each launch is also priced at the fast and slow constants (device_range; see
+    H200_FAST): `now` and everything the engine and its depth policy read are mid.
+    context_offset: price a longer context than the engine runs (the tiny checkpoint's
+    prompts are short): every lane's context and every chunk's start move up by that many
+    tokens, and a request's first chunk (start 0) also pays the prefill of those tokens."""
 
-    def __init__(self, model: CostModel):
+    def __init__(self, model: CostModel, fast: Hardware = H200_FAST,
+                 slow: Hardware = H200_SLOW, context_offset: int = 0,
+                 offset_chunk: int = 2048):
+        if context_offset < 0 or offset_chunk < 1:
+            raise ValueError(f"context_offset must be >= 0 and offset_chunk >= 1, got "
+                             f"{context_offset}, {offset_chunk}")
         self.model = model
+        # a long context priced, not run: every lane's context is context_offset tokens
+        # longer than the engine's (those tokens stand before its prompt), and a request's
+        # first chunk also pays their prefill (offset_chunk-token chunks)
+        self.context_offset = int(context_offset)
+        self._offset_prefill = [model.prefill(min(offset_chunk, context_offset - s), s)
+                                for s in range(0, context_offset, offset_chunk)]
+        self.offset_prefill_s = 0.0      # of device_s: those prefills (mid constants)
         self.device_s = 0.0
         self.host_s = 0.0
         self.launches: collections.Counter = collections.Counter()
+        # the range: each launch priced once more at the fast and slow constants (the mid
+        # set is the model's own hardware, so device_range["mid"] == device_s)
+        # (a stand-in model without hardware, as tests use, gets a range of its one price)
+        hw = getattr(model, "hw", None)
+        self.range_hw = {} if hw is None else {"fast": fast, "mid": hw, "slow": slow}
+        self.device_range = {n: 0.0 for n in H200_RANGE_NAMES}
 
     @property
     def now(self) -> float:
@@ -702,8 +776,20 @@ class VirtualClock:
 
     def launch(self, key: tuple, contexts: Sequence[int] = (), start: int = 0,
                is_last: bool = True) -> float:
-        s = self.model.program(key, contexts, start, is_last).seconds
+        off, costs = self.context_offset, []
+        if off and key[0] in ("decode", "mixed", "draft", "prefill"):
+            contexts = [c + off for c in contexts]
+            if key[0] in ("prefill", "mixed"):
+                costs = self._offset_prefill * (start == 0)
+                self.offset_prefill_s += sum(c.seconds for c in costs)
+                start += off
+        costs.append(self.model.program(key, contexts, start, is_last))
+        s = sum(c.seconds for c in costs)
         self.device_s += s
+        for n in self.device_range:
+            hw = self.range_hw.get(n)
+            self.device_range[n] += s if n == "mid" or hw is None else sum(price(c, hw)
+                                                                           for c in costs)
         self.launches[key[0]] += 1
         return s
 
@@ -717,8 +803,13 @@ class VirtualClock:
         return {
             "device_s": self.device_s, "host_s": self.host_s, "now": self.now,
             "launches": dict(self.launches),
+            "device_range_s": dict(self.device_range),
+            "range_hardware": {n: {f.name: getattr(h, f.name) for f in dataclasses.fields(h)
+                                   if f.name != "sources"} | {"sources": dict(h.sources)}
+                               for n, h in self.range_hw.items() if n != "mid"},
             "hardware": {f.name: getattr(hw, f.name) for f in dataclasses.fields(hw)
                          if f.name != "sources"} | {"sources": dict(hw.sources)},
+            "context_offset": self.context_offset,
             "model": {"weights": m.weights, "tp": m.tp, "K": m.K, "page_size": m.page_size,
                       "layers": m.cfg.num_layers, "hidden_size": m.cfg.hidden_size},
         }

@@ -170,14 +170,20 @@ class AdaptiveDepth:
     min_context: int = 256        # smallest context bucket: below it the KV a step reads is
                                   # small next to its weights, so short contexts share a cell
                                   # (and are explored once, not once per 64 tokens)
+    context_offset: int = 0       # tokens before every lane's context that the engine's
+                                  # clock prices but the engine does not run (a long context
+                                  # on the H200 clock, cost_model.VirtualClock): cells follow
+                                  # the priced context
 
     def __post_init__(self):
         if self.prior_strength <= 0 or not 0 < self.decay <= 1 or self.window < 1:
             raise ValueError("AdaptiveDepth needs prior_strength > 0, 0 < decay <= 1, "
                              f"window >= 1; got {self}")
-        if self.explore < 0 or self.refresh < 1 or self.hysteresis < 0 or self.min_context < 1:
+        if (self.explore < 0 or self.refresh < 1 or self.hysteresis < 0 or self.min_context < 1
+                or self.context_offset < 0):
             raise ValueError("AdaptiveDepth needs explore >= 0, refresh >= 1, "
-                             f"hysteresis >= 0, min_context >= 1; got {self}")
+                             f"hysteresis >= 0, min_context >= 1, context_offset >= 0; "
+                             f"got {self}")
         self.costs = StepCosts(self.window)
         self.mixed_costs = StepCosts(self.window)   # steps carrying a chunk, by chunk bucket
         self.pooled: PooledAcceptance | None = None
@@ -185,6 +191,10 @@ class AdaptiveDepth:
         self.chosen: collections.Counter = collections.Counter()
         self.last = None
         self.last_mixed = None
+
+    def _context(self, view: StepView) -> int:
+        """The step's context bucket: its deepest lane's context, plus context_offset."""
+        return context_bucket(view.context + self.context_offset, self.min_context)
 
     # ---------------------------------------------------------------- estimates
     def _rates(self, lane, pooled: list[float]) -> list[float]:
@@ -208,7 +218,7 @@ class AdaptiveDepth:
 
     def throughput(self, view: StepView) -> list[float | None]:
         """Estimated tokens per second at each depth (None: no cost known anywhere)."""
-        ctx = context_bucket(view.context, self.min_context)
+        ctx = self._context(view)
         toks = self.expected_tokens(view)
         out = []
         for d in range(view.K + 1):
@@ -249,7 +259,7 @@ class AdaptiveDepth:
             if values is not None and any(v is not None for v in values[:top + 1]):
                 return self._choose(values[:top + 1], top, self.mixed_costs,
                                     ("mixed",) + self._mixed_cell(view), mixed=True)
-        cell = (view.bucket, context_bucket(view.context, self.min_context))
+        cell = (view.bucket, self._context(view))
         rate = self.throughput(view)[:top + 1]
         if all(r is None for r in rate):       # nothing measured yet: equal costs
             toks = self.expected_tokens(view)[:top + 1]
@@ -297,7 +307,7 @@ class AdaptiveDepth:
         if not compiled and view.chunk > 0:
             self.mixed_costs.record(depth, *self._mixed_cell(view), seconds)
         elif not compiled:
-            self.costs.record(depth, view.bucket, context_bucket(view.context, self.min_context),
+            self.costs.record(depth, view.bucket, self._context(view),
                               seconds)
         pool = self._pool(view.K)
         pool.age()

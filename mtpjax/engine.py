@@ -105,7 +105,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from mtpjax import draft_vocab as draft_vocab_lib
-from mtpjax import model, quant, snapshots, steps, tensor_parallel
+from mtpjax import model, quant, simulated_acceptance, snapshots, steps, tensor_parallel
 from mtpjax.config import Config
 from mtpjax.depth import AdaptiveDepth
 from mtpjax.gdn import check_kernels
@@ -237,6 +237,9 @@ class Engine:
       this engine's K and page size: time is then the modelled H200's (module docstring).
       timing["step_s"] and timing["prefill_s"] then hold modelled seconds, timing["host_s"]
       the measured host seconds added to the clock.
+    simulate_acceptance: None, or a profile name / path / simulated_acceptance.Profile or
+      Simulator: each verify step accepts as many drafts as a seeded draw from the profile
+      (Extras.forced_accept), for timing on the clock only: the tokens are not the model's.
     """
 
     def __init__(self, cfg: Config, params: Params, *, num_speculative_tokens: int = 0,
@@ -251,7 +254,8 @@ class Engine:
                  lane_slots: int | None = None, lane_buckets: Sequence[int] | None = None,
                  pool_pages: int | None = None, clock=None, mixed_max_depth: int | None = None,
                  ride_buckets: Sequence[int] | None = None, draft_vocab=None,
-                 grammar_tokenizer=None, mask_drafts: bool = True):
+                 grammar_tokenizer=None, mask_drafts: bool = True,
+                 simulate_acceptance=None):
         k = int(num_speculative_tokens)
         if k < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
@@ -324,6 +328,7 @@ class Engine:
             raise ValueError(f"speculation_policy must be 'fixed', 'adaptive' or a callable "
                              f"policy, got {speculation_policy!r}")
         self.policy = speculation_policy
+        self.simulated = simulated_acceptance.simulator(simulate_acceptance)
         self.dtype = params.embed.dtype
         # Room past the context limit for the k+1 verify slots and the k-1 chained MTP slots,
         # so that where a request stops does not depend on k.
@@ -908,6 +913,8 @@ class Engine:
         contexts = [r.pos for r in batch.rows]   # tokens cached per lane before the step
         allowed = self._masks(sched, batch, nb)
         extras, want = self._extras(sched, batch, nb)
+        if self.simulated is not None:
+            extras = self.simulated.apply(extras, batch, nb)
         (self.cache, self.state, out, n_acc, lps), modelled = self._program(
             key, lambda: steps.decode_step(
                 self.cfg, self.params, self.cache, self.state, lanes, jnp.asarray(active),
@@ -961,7 +968,8 @@ class Engine:
         else:
             history = none.history
         return (steps.Extras(jnp.asarray(want), jnp.asarray(ids), jnp.asarray(vals), history,
-                             jnp.asarray(plen), *map(jnp.asarray, pen), x.constrained),
+                             jnp.asarray(plen), *map(jnp.asarray, pen), x.constrained,
+                             x.forced_accept),
                 bool(want.any()))
 
     def _write_history(self, lane: int, req: Request) -> None:
@@ -1146,4 +1154,6 @@ class Engine:
                 "devices": [str(d) for d in (self.mesh.devices.flat if self.mesh is not None
                                              else [self.params.embed.devices().pop()])],
                 **({} if self.clock is None else {"clock": self.clock.report()}),
+                **({} if self.simulated is None
+                   else {"simulated_acceptance": self.simulated.report()}),
                 **self.timing}

@@ -145,7 +145,8 @@ LOGIT_BIAS_MAX = 300
 
 @partial(jax.tree_util.register_dataclass,
          data_fields=["want", "bias_ids", "bias", "history", "prompt_len", "presence",
-                      "frequency", "repetition", "constrained"], meta_fields=[])
+                      "frequency", "repetition", "constrained", "forced_accept"],
+         meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Extras:
     """Per-lane step options beyond the sampler's, always passed by the engine (all off: one
@@ -174,7 +175,10 @@ class Extras:
     constrained: bool[B], the lane's drafts are corrected by its grammar on the host (masked
     drafts): when any lane is, the step records every lane's draft candidates in
     LaneState.candidates (a top-DRAFT_CANDIDATES per draft, under lax.cond: a step without
-    such a lane pays nothing)."""
+    such a lane pays nothing).
+    forced_accept: i32[B], -1 = off; else the lane accepts that many drafts (at most the
+    step's depth) whatever the target samples: simulated acceptance for planning on the H200
+    clock (mtpjax/simulated_acceptance.py, `_forced_accept`), timing only."""
     want: jax.Array
     bias_ids: jax.Array
     bias: jax.Array
@@ -184,6 +188,7 @@ class Extras:
     frequency: jax.Array
     repetition: jax.Array
     constrained: jax.Array
+    forced_accept: jax.Array
 
     @staticmethod
     def none(lanes: int, history_len: int) -> "Extras":
@@ -192,7 +197,8 @@ class Extras:
         return Extras(z(bool), jnp.zeros((lanes, LOGIT_BIAS_MAX), jnp.int32),
                       jnp.zeros((lanes, LOGIT_BIAS_MAX), jnp.float32),
                       jnp.full((lanes, history_len), -1, jnp.int32), z(jnp.int32),
-                      z(jnp.float32), z(jnp.float32), jnp.ones((lanes,), jnp.float32), z(bool))
+                      z(jnp.float32), z(jnp.float32), jnp.ones((lanes,), jnp.float32), z(bool),
+                      jnp.full((lanes,), -1, jnp.int32))
 
     def penalized(self):
         """bool[B]: the lanes with a penalty on."""
@@ -478,6 +484,23 @@ def decode_step(cfg: Config, params: Params, cache: Cache, state: LaneState,
                       *extra, n_out=4 if extras is None else 5)
 
 
+def _forced_accept(n_acc, out, drafts, forced):
+    """Simulated acceptance (Extras.forced_accept): a lane with forced[b] = n >= 0 emits its
+    first min(n, k) drafts, then the target's token at that row where the target sampled it
+    (n at most the real count), else the real correction token, so the KV written for the
+    verified positions, the pending GDN replay and the positions stay those of a run that
+    accepted n drafts. Other lanes keep (n_acc, out). Timing only: the tokens are not the
+    model's."""
+    k1 = out.shape[1]
+    on = forced >= 0
+    n = jnp.where(on, jnp.minimum(forced, k1 - 1), n_acc)
+    last = out[jnp.arange(out.shape[0]), jnp.minimum(n, n_acc)]
+    j = jnp.arange(k1)[None, :]
+    padded = jnp.pad(drafts, ((0, 0), (0, 1)))
+    toks = jnp.where(j < n[:, None], padded, jnp.where(j == n[:, None], last[:, None], -1))
+    return n.astype(n_acc.dtype), jnp.where(on[:, None], toks, out).astype(out.dtype)
+
+
 def _decode_body_args(cfg, params, cache, state, lanes, active, page_table, join, *extra,
                       has_chunk: bool, has_mask: bool, has_extras: bool = False, **kw):
     extra = list(extra)
@@ -525,6 +548,8 @@ def _decode_body(cfg: Config, params: Params, cache: Cache, state: LaneState, la
                          f"{allowed.shape}")
     verified = _verify(cfg, params, h, drafts_in, lanes, state.pos + 1, allowed, extras)
     n_acc, out = verified[:2]
+    if extras is not None:
+        n_acc, out = _forced_accept(n_acc, out, drafts_in, extras.forced_accept)
     n_acc = jnp.where(active, n_acc, 0)
     cache = dataclasses.replace(cache, n_pend=model.put_slots(
         cache.n_pend, 0, jnp.where(active, n_acc + 1, 0)))

@@ -89,6 +89,89 @@ def test_device_time_is_the_cost_models_price_of_every_launched_program(runs):
     assert 16 in starts and 0 in starts
 
 
+def test_each_launch_is_priced_at_the_three_constant_sets(runs):
+    """One run, three prices: the clock's mid total is its device time; the fast and slow
+    totals are exactly the fast / slow prices of the same launches (priced again here), and
+    every launch costs less at fast and more at slow than at mid."""
+    from mtpjax.cost_model import H200, H200_FAST, H200_SLOW, price
+    *_, clock, _, _ = runs
+    model = CostModel(K=K, page_size=16)
+    assert clock.device_range["mid"] == pytest.approx(clock.device_s, rel=1e-12)
+    for n, hw in (("fast", H200_FAST), ("slow", H200_SLOW)):
+        want = sum(price(model.program(key, ctx, start, last), hw)
+                   for key, ctx, start, last, _ in clock.calls)
+        assert clock.device_range[n] == pytest.approx(want, rel=1e-9), n
+    for key, ctx, start, last, s in clock.calls:
+        c = model.program(key, ctx, start, last)
+        assert s == pytest.approx(price(c, H200), rel=1e-12)
+        assert price(c, H200_FAST) < s < price(c, H200_SLOW)
+    rep = clock.report()
+    assert set(rep["device_range_s"]) == {"fast", "mid", "slow"}
+    assert set(rep["range_hardware"]) == {"fast", "slow"}
+
+
+def test_range_constants_bracket_the_mid_set_and_cite_a_source():
+    """Each bound sits on the right side of the mid constant (4.03 TB/s, 2.5 us a kernel, 20
+    us a program, unchanged) and says where it comes from: a URL or the word assumption."""
+    from mtpjax.cost_model import H200, H200_FAST, H200_SLOW
+    assert (H200.hbm_bytes_per_s, H200.launch_s, H200.program_s) == (4.03e12, 2.5e-6, 20e-6)
+    assert H200_FAST.hbm_bytes_per_s > H200.hbm_bytes_per_s > H200_SLOW.hbm_bytes_per_s
+    assert H200_FAST.launch_s < H200.launch_s < H200_SLOW.launch_s
+    assert H200_FAST.program_s < H200.program_s < H200_SLOW.program_s
+    for hw in (H200_FAST, H200_SLOW):
+        for f in ("hbm_bytes_per_s", "launch_s", "program_s"):
+            src = hw.sources[f]
+            assert "https://" in src or "assumption" in src, (hw.name, f)
+
+
+def test_a_long_context_is_priced_not_run():
+    """VirtualClock(context_offset=N): decode steps at each lane's context + N; a request's
+    first chunk (start 0) pays the prefill of the N tokens, in 2,048-token chunks, then its
+    own chunk at start N; a later chunk only its own; the range moves with it."""
+    from mtpjax.cost_model import H200_SLOW, price
+    model = CostModel(K=K, page_size=16)
+    clock = VirtualClock(model, context_offset=8192)
+    assert clock.launch(("decode", 1, 2), [40, 7]) == pytest.approx(
+        model.decode(1, 2, [8232, 8199]).seconds)
+    long = [model.prefill(2048, s) for s in range(0, 8192, 2048)]
+    first = clock.launch(("prefill", 16), [], 0)
+    assert first == pytest.approx(sum(c.seconds for c in long)
+                                  + model.prefill(16, 8192).seconds)
+    assert clock.launch(("prefill", 16), [], 16) == pytest.approx(
+        model.prefill(16, 8208).seconds)
+    assert clock.launch(("mixed", 1, 2, 16), [5], 0) == pytest.approx(
+        sum(c.seconds for c in long) + model.mixed(1, 2, 16, [8197], 8192).seconds)
+    assert clock.device_range["slow"] > clock.device_range["mid"] == pytest.approx(clock.device_s)
+    assert clock.report()["context_offset"] == 8192
+    assert price(long[0], H200_SLOW) > long[0].seconds
+    with pytest.raises(ValueError):
+        VirtualClock(model, context_offset=-1)
+
+
+def test_the_depth_policy_keys_costs_by_the_priced_context():
+    """AdaptiveDepth(context_offset=N) files a step's cost under the context the clock priced
+    (the lanes' + N), so a long-context run's depths follow long-context costs."""
+    from mtpjax.depth import AdaptiveDepth, context_bucket
+    from mtpjax.scheduler import LaneView, RequestStats, StepView
+    view = StepView(2, 2, (LaneView(0, 40, 2, RequestStats.for_depth(2)),), 1, 0)
+    for off, want in ((0, 256), (32768, context_bucket(32768 + 40, 256))):
+        pol = AdaptiveDepth(context_offset=off)
+        pol.observe(view, 1, 0.02, [1], False)
+        assert pol.costs.count(1, 1, want) == 1, off
+    assert want == 65536
+    with pytest.raises(ValueError):
+        AdaptiveDepth(context_offset=-1)
+
+
+def test_long_context_workloads_need_the_clock():
+    with pytest.raises(ValueError, match="clock=h200"):
+        judge.check_config(judge.JudgeConfig(workloads=("solo_8k",), clock="wall"))
+    with pytest.raises(ValueError, match="unknown workload"):
+        judge.long_context("busy_8k")
+    assert judge.long_context("team_32k") == ("team", 32768)
+    assert judge.long_context("team") == ("team", 0)
+
+
 def test_host_time_is_measured_reported_and_leaves_callbacks_out(runs):
     _, outs, e, clock, timing, stats = runs
     assert clock.host_s > 0 and timing["host_s"] == pytest.approx(clock.host_s)
@@ -133,9 +216,12 @@ def judge_ckpt(tmp_path_factory):
 def test_judge_card_on_the_h200_clock(judge_ckpt, tmp_path):
     """The smallest judge run (solo, one request, K = 1) with --clock=h200: card.json keeps its
     keys and says "clock": "h200"; tokens/s are the modelled 27B's (about one decode price per
-    token at one lane, plus host time), not this CPU's; card.md says so near the top."""
+    token at one lane, plus host time), not this CPU's; card.md says so near the top. With a
+    long-context workload beside it (solo_32k: the same prompts, priced 32,768 tokens longer):
+    SpecScore stays solo's, solo_32k's tokens cost more, its first token pays the long
+    prefill, and the card says how it was made."""
     jc = judge.JudgeConfig(
-        checkpoint=judge_ckpt, out_dir=str(tmp_path), passes=1, workloads=("solo",),
+        checkpoint=judge_ckpt, out_dir=str(tmp_path), passes=1, workloads=("solo", "solo_32k"),
         solo_requests=1, team_lanes=2, team_requests=2, busy_lanes=2, busy_requests=2,
         prompt_tokens=16, max_new_tokens=6, gate_prompts=2, fidelity_tokens=2,
         progress=False, limits=gate.Limits(busy_page_use_floor=0.5), k=1,
@@ -161,7 +247,34 @@ def test_judge_card_on_the_h200_clock(judge_ckpt, tmp_path):
         assert on_disk["ttft_ms"]["solo"][name] >= 1e3 * model.prefill(16).seconds
     assert on_disk["h200"]["model"]["model"]["weights"] == "bf16"
     assert on_disk["draft_verify_ms"] is None          # this CPU's split: not on the clock
+    # the range: [low, mid, high] with the mid set the card's own numbers, the fast set
+    # faster and the slow set slower per token (the same tokens, host time the same)
+    rg = on_disk["h200"]["range"]
+    lo, mid, hi = rg["specscore"]
+    assert lo <= mid <= hi and mid == pytest.approx(on_disk["specscore"], rel=1e-6)
+    assert rg["workloads"]["solo"]["ratio"][1] == pytest.approx(on_disk["ratios"]["solo"]["ratio"],
+                                                                rel=1e-6)
+    for name in ("stock", "candidate"):
+        ms = rg["workloads"]["solo"]["ms_per_token"][name]
+        assert ms[0] < ms[1] < ms[2], ms
+        assert ms[1] == pytest.approx(1e3 / on_disk["throughput"]["solo"][f"{name}_tok_s"][0],
+                                      rel=1e-6)
+    # the long context: beside SpecScore, dearer per token, its TTFT holds a 32k prefill
+    assert on_disk["specscore"] == pytest.approx(on_disk["ratios"]["solo"]["ratio"])
+    assert on_disk["settings"]["long_context"] == {"solo": 0, "solo_32k": 32768}
+    long_ms = rg["workloads"]["solo_32k"]["ms_per_token"]
+    for name in ("stock", "candidate"):
+        assert long_ms[name][1] > rg["workloads"]["solo"]["ms_per_token"][name][1], name
+        assert on_disk["ttft_ms"]["solo_32k"][name] > 1e3 * sum(
+            CostModel(K=0).prefill(2048, s).seconds for s in range(0, 32768, 2048))
+        # the 32k prefill left out: well under the all-in ms per token
+        dec = rg["workloads"]["solo_32k"]["ms_per_token_without_long_prefill_mid"][name]
+        assert 0 < dec < 0.5 * long_ms[name][1], (dec, long_ms[name])
+    pol = on_disk["policy"]["solo_32k"]["replicas"][0]["costs_ms"]
+    assert pol and all(cell.endswith("/c65536") for cell in pol), pol   # the priced context
     md = (tmp_path / "card.md").read_text()
+    assert "Long-context workloads (solo_32k: 32,768 tokens)" in md
+    assert "Range over the clock's constants" in md and "SpecScore [" in md
     assert "predicted for Qwen3.5-27B on one H200 by the cost model, not timed" in md[:400]
     assert "Host time on the clock" in md and "TTFT ms" in md and "clock h200" in md
 
@@ -182,3 +295,31 @@ def test_serve_bench_closed_loop_on_the_clock(runs):
     assert 0 < row["mean_ttft_s"] < row["mean_latency_s"] <= row["wall_s"]
     assert row["engine_iterations"] > 0 and not e.has_work()
 
+
+
+def test_judge_with_simulated_acceptance(judge_ckpt, tmp_path):
+    """--simulate_acceptance on the judge: the candidate's acceptance is the profile's (one
+    that accepts nothing: exactly 1 token per verify step, whatever the checkpoint's drafts
+    would earn), the card's header says "simulated acceptance", and the lossless gate reports
+    "not applicable" (no score, no failed check)."""
+    never = tmp_path / "never.json"
+    never.write_text(json.dumps({"name": "never", "tokens_per_verify_step": [1.0, 1.0],
+                                 "source": "a test profile"}))
+    jc = judge.JudgeConfig(
+        checkpoint=judge_ckpt, out_dir=str(tmp_path / "card"), passes=1, workloads=("solo",),
+        solo_requests=1, team_lanes=2, team_requests=2, busy_lanes=2, busy_requests=2,
+        prompt_tokens=16, max_new_tokens=8, gate_prompts=2, fidelity_tokens=8,
+        progress=False, limits=gate.Limits(busy_page_use_floor=0.5), k=2, adaptive=False,
+        prefill_buckets=(16,), fidelity_lanes=1, clock="h200", chat=None,
+        simulate_acceptance=str(never))
+    judge.run_judge(jc)
+    c = json.load(open(tmp_path / "card" / "card.json"))
+    assert c["simulated_acceptance"]["profile"] == "never"
+    assert c["gate"] == "not applicable" and c["reason"] is None and c["score"] is None
+    assert c["acceptance"]["solo"] == pytest.approx(1.0)
+    assert c["acceptance_by_position"]["solo"]["verify_steps"] > 0
+    md = (tmp_path / "card" / "card.md").read_text()
+    assert md.startswith("# mtpjax judge card — simulated acceptance")
+    assert "Lossless gate: **not applicable**" in md and "| fidelity |" not in md
+    with pytest.raises(ValueError, match="unknown acceptance profile"):
+        judge.check_config(judge.JudgeConfig(simulate_acceptance="no-such-profile"))
