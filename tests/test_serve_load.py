@@ -96,14 +96,14 @@ class FaultInjector:
         self.engine, self.faults = engine, list(faults)
         self.counts: dict[str, int] = {}
         self.fired: list[Fault] = []
-        self._real = engine._program
+        self._real = engine.runner._program
 
     def __enter__(self):
-        self.engine._program = self._program
+        self.engine.runner._program = self._program
         return self
 
     def __exit__(self, *exc):
-        del self.engine._program
+        del self.engine.runner._program
 
     def _program(self, key, run, *args, **kw):
         kind = program_kind(key)
