@@ -1192,7 +1192,7 @@ def clock_section(results: dict, chat_runs: dict | None, engines: dict, k: int) 
             "how": "each engine has its own clock: every program it launches adds the cost "
                    "model's price at the program's shapes (device_s); host_s is this "
                    "machine's measured time inside Engine.step outside the programs and the "
-                   "caller's on_token callbacks (mtpjax/engine.py); tokens/s = tokens / "
+                   "caller's on_token callbacks (mtpjax/engine/runner.py); tokens/s = tokens / "
                    "(device_s + host_s) of the pass"}
 
 

@@ -6,12 +6,9 @@
                 ModelRunner.run(batch) ─> StepResult (host arrays)
                 EngineCore.commit(plan, batch, result) ─> tokens to requests, on_token
 
-The façade joins the two and owns what joins them: the session, the grammar tokenizer
-(built lazily, mtpjax/grammar.py), the host-time bookkeeping around each iteration, and
-the engine's public attributes. Constructor arguments and the data flow of a step are
-described in the package docstring (mtpjax/engine/__init__.py); the core's in core.py; the
-runner's in runner.py; the record's in batch.py. The same code with
-num_speculative_tokens = 0 is the stock engine the judge compares against.
+The façade owns what joins the two: the session, the grammar tokenizer (built lazily,
+mtpjax/grammar.py), the host-time bookkeeping of each iteration, the public attributes.
+Arguments and a step's data flow: the package docstring (mtpjax/engine/__init__.py).
 """
 
 from __future__ import annotations
@@ -20,13 +17,11 @@ import os
 import time
 from typing import Callable, Sequence
 
-from mtpjax import draft_vocab as draft_vocab_lib
-from mtpjax import tensor_parallel
 from mtpjax.config import Config
 from mtpjax.engine import snapshots
 from mtpjax.engine.batch import StepShapes
 from mtpjax.engine.core import EngineCore, make_policy
-from mtpjax.engine.runner import ModelRunner
+from mtpjax.engine.runner import ModelRunner, load_replicas
 from mtpjax.engine.scheduler import (FINISH_ERROR, Policy, RequestOutput, RequestStats,
                                      Scheduler, TokenLogprob)
 from mtpjax.params import Params
@@ -41,6 +36,10 @@ def _forward(owner: str, name: str, settable: bool = False, doc: str | None = No
     def put(self, value):
         setattr(getattr(self, owner), name, value)
     return property(get, put if settable else None, doc=doc)
+
+
+def _forwards(owner: str, names: str, settable: bool = False) -> tuple:
+    return tuple(_forward(owner, name, settable) for name in names.split())
 
 
 class Engine:
@@ -97,42 +96,22 @@ class Engine:
         self.clock = clock
         self._grammar_src, self._grammar_tok = grammar_tokenizer, None
 
-    # the runner's: device state, placement, programs, timing
-    cfg = _forward("runner", "cfg")
-    params = _forward("runner", "params")
-    mesh = _forward("runner", "mesh")
-    tp = _forward("runner", "tp")
-    kernels = _forward("runner", "kernels")
-    dtype = _forward("runner", "dtype")
-    draft_ids = _forward("runner", "draft_ids")
-    depth0_fills_mtp_kv = _forward("runner", "depth0_fills_mtp_kv")
-    cache = _forward("runner", "cache", True)
-    state = _forward("runner", "state", True)
-    snaps = _forward("runner", "snaps", True)
-    timing = _forward("runner", "timing")
-    depth_steps = _forward("runner", "depth_steps")
+    # the runner's: placement, device state, programs, timing
+    (cfg, params, mesh, tp, kernels, dtype, draft_ids, depth0_fills_mtp_kv, timing,
+     depth_steps) = _forwards("runner", "cfg params mesh tp kernels dtype draft_ids "
+                              "depth0_fills_mtp_kv timing depth_steps")
+    cache, state, snaps = _forwards("runner", "cache state snaps", settable=True)
     clock = _forward("runner", "clock", True, "The VirtualClock this engine advances (None: "
                      "wall time); see the package docstring.")
     # the core's: pages, prefix cache, policies
-    alloc = _forward("core", "alloc")
-    prefix = _forward("core", "prefix")
-    policy = _forward("core", "policy")
-    eos = _forward("core", "eos")
-    pool_pages = _forward("core", "pool_pages")
+    alloc, prefix, policy, eos, pool_pages = _forwards("core", "alloc prefix policy eos pool_pages")
     mask_drafts = _forward("core", "mask_drafts", True)
-    # the shapes
-    num_draft_slots = _forward("shapes", "num_draft_slots", doc="K: the drafts a lane holds")
+    # the shapes; K is num_draft_slots (callers' `k`), a step's depth is 0..K
+    (num_draft_slots, max_lanes, lane_slots, lane_buckets, max_seq_len, prefill_chunk,
+     mixed_max_depth, page_size, num_pages, pages_per_lane, history_len) = _forwards(
+        "shapes", "num_draft_slots max_lanes lane_slots lane_buckets max_seq_len prefill_chunk "
+        "mixed_max_depth page_size num_pages pages_per_lane history_len")
     k = _forward("shapes", "num_draft_slots", doc="K (num_speculative_tokens), as callers name it")
-    max_lanes = _forward("shapes", "max_lanes")
-    lane_slots = _forward("shapes", "lane_slots")
-    lane_buckets = _forward("shapes", "lane_buckets")
-    max_seq_len = _forward("shapes", "max_seq_len")
-    prefill_chunk = _forward("shapes", "prefill_chunk")
-    mixed_max_depth = _forward("shapes", "mixed_max_depth")
-    page_size = _forward("shapes", "page_size")
-    num_pages = _forward("shapes", "num_pages")
-    pages_per_lane = _forward("shapes", "pages_per_lane")
-    history_len = _forward("shapes", "history_len")
     chunk_buckets = property(lambda self: list(self.shapes.chunk_buckets))
     ride_buckets = property(lambda self: list(self.shapes.ride_buckets))
 
@@ -140,16 +119,12 @@ class Engine:
     def from_checkpoint(cls, path: str, dtype: str = "float32", num_speculative_tokens: int = 0,
                         tp: int = 1, dp: int = 1, devices: Sequence | None = None,
                         weights: str = "auto", mtp_weights: str = "auto", **kw):
-        """Load a checkpoint onto tp devices; kw (kernels, page_size, num_pages, max_lanes,
-        ...) go to the Engine. dp > 1 (replicas): `mtpjax.data_parallel.from_checkpoint`,
-        which builds a DataParallelEngine of `replicas_from_checkpoint`'s engines.
-
-        weights: "auto" (as stored: an FP8 checkpoint loads FP8), "fp8" (quantize the linears
-        block-wise at load time) or "dense"; mtp_weights: the MTP head's, "auto" = as stored,
-        dense when weights="fp8" (see mtpjax/quant.py). draft_vocab (in kw): "auto" (default:
-        draft_vocab.default_size when the checkpoint ships a list; the whole vocabulary
-        otherwise), None or 0 (the whole vocabulary), a size N or a share, a path, or ids.
-        Each checkpoint tensor is read once and sent straight to its shards."""
+        """Load a checkpoint onto tp devices; kw (kernels, page_size, max_lanes, ...) go to
+        the Engine (dp > 1: `mtpjax.data_parallel.from_checkpoint`). weights: "auto" (as
+        stored), "fp8" (quantize the linears block-wise at load) or "dense"; mtp_weights: the
+        MTP head's ("auto": as stored, dense when weights="fp8"; mtpjax/quant.py).
+        draft_vocab (in kw): "auto" (draft_vocab.default_size when the checkpoint ships a
+        list), None or 0 (the whole vocabulary), a size N or share, a path, or ids."""
         if dp != 1:
             raise ValueError(f"dp={dp}: replicas are a DataParallelEngine, built by "
                              "mtpjax.data_parallel.from_checkpoint (same arguments)")
@@ -162,26 +137,12 @@ class Engine:
                                  devices: Sequence | None = None, weights: str = "auto",
                                  mtp_weights: str = "auto", **kw) -> list:
         """dp engines of the checkpoint, each on its own tp devices (from_checkpoint)."""
-        from mtpjax.api import load_checkpoint
         if "grammar_tokenizer" not in kw and os.path.isfile(os.path.join(path, "tokenizer.json")):
             kw["grammar_tokenizer"] = os.path.join(path, "tokenizer.json")   # built lazily
-        spec = kw.pop("draft_vocab", "auto")
-        if not num_speculative_tokens and spec not in (None, 0, "auto"):
-            raise ValueError("draft_vocab needs num_speculative_tokens > 0 (a stock engine "
-                             "drafts nothing)")
-        if spec == "auto" and not os.path.isfile(os.path.join(path, draft_vocab_lib.FILE)):
-            spec = None                   # no list shipped: the whole vocabulary
-        if num_speculative_tokens and spec is not None:   # resolved against the list
-            kw["draft_vocab"] = draft_vocab_lib.resolve(
-                spec, Config.from_pretrained(path).vocab_size, path)
-        meshes = tensor_parallel.make_meshes(tp, dp, devices)
-        if meshes == [None]:
-            cfg, params = load_checkpoint(path, dtype, None, weights, mtp_weights)
-            return [cls(cfg, params, num_speculative_tokens=num_speculative_tokens, **kw)]
-        tensor_parallel.check_tp(Config.from_pretrained(path), tp)   # before reading weights
-        cfg, trees = load_checkpoint(path, dtype, meshes, weights, mtp_weights)
+        cfg, placed, kw = load_replicas(path, dtype, num_speculative_tokens, tp, dp, devices,
+                                        weights, mtp_weights, kw)
         return [cls(cfg, p, num_speculative_tokens=num_speculative_tokens, mesh=m, **kw)
-                for p, m in zip(trees, meshes)]
+                for p, m in placed]
 
     # ---------------------------------------------------------------- main entry
     def generate(self, prompts: Sequence[Sequence[int]],
@@ -322,9 +283,8 @@ class Engine:
                 "waiting": len(sched.queue), "preemptions": sched.preemptions}
 
     def cancel(self, request_id: int) -> None:
-        """Cancel a request of the running session; it ends "cancelled" with the tokens
-        streamed so far. Thread-safe: the session is read once (a cancel that reaches a
-        session already stopped is a no-op)."""
+        """Cancel a request of the running session (it ends "cancelled"). Thread-safe: the
+        session is read once (after a stop() it is a no-op)."""
         sched = self._sched
         if sched is not None:
             sched.cancel(request_id)

@@ -25,6 +25,7 @@ the open host segment began) goes to `clock.add_host` and `timing["host_s"]`.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Callable, Sequence
 
@@ -56,6 +57,31 @@ def _check_placed(cfg: Config, params: Params, mesh) -> None:
                              f"{got.shape}, sharding {got.sharding}; expected {exp.shape}, "
                              f"{exp.sharding}): pass tp= instead, or place them with "
                              "tensor_parallel.place_params")
+
+
+def load_replicas(path: str, dtype: str, num_draft_slots: int, tp: int, dp: int,
+                  devices: Sequence | None, weights: str, mtp_weights: str, kw: dict):
+    """Read a checkpoint onto tp x dp devices: (cfg, [(params, mesh or None)] per replica,
+    kw with the draft vocabulary resolved against the checkpoint's list). Each tensor is
+    read once and sent straight to its shards (Engine.from_checkpoint)."""
+    from mtpjax.api import load_checkpoint
+    kw = dict(kw)
+    spec = kw.pop("draft_vocab", "auto")
+    if not num_draft_slots and spec not in (None, 0, "auto"):
+        raise ValueError("draft_vocab needs num_speculative_tokens > 0 (a stock engine "
+                         "drafts nothing)")
+    if spec == "auto" and not os.path.isfile(os.path.join(path, draft_vocab_lib.FILE)):
+        spec = None                   # no list shipped: the whole vocabulary
+    if num_draft_slots and spec is not None:   # resolved against the list
+        kw["draft_vocab"] = draft_vocab_lib.resolve(
+            spec, Config.from_pretrained(path).vocab_size, path)
+    meshes = tensor_parallel.make_meshes(tp, dp, devices)
+    if meshes == [None]:
+        cfg, params = load_checkpoint(path, dtype, None, weights, mtp_weights)
+        return cfg, [(params, None)], kw
+    tensor_parallel.check_tp(Config.from_pretrained(path), tp)     # before reading weights
+    cfg, trees = load_checkpoint(path, dtype, meshes, weights, mtp_weights)
+    return cfg, list(zip(trees, meshes)), kw
 
 
 def _timing() -> dict:
