@@ -87,7 +87,7 @@ class Fault:
 
 
 class FaultInjector:
-    """Replaces engine._program: the faults[i] = (kind, n) n-th launch of a program of that
+    """Replaces engine.runner._program: the faults[i] = (kind, n) n-th launch of a program of that
     kind runs for real (its donated buffers are deleted) and then raises. Each fired fault
     records the prompts of the requests the step held: those in a lane, and queued ones that
     already have tokens (preempted) -- what the online engine fails after a step raises."""

@@ -169,12 +169,12 @@ class ModelRunner:
         self.cache, self.state, self.snaps = self._device_state()
 
     def read_drafts(self, candidates: bool) -> tuple[np.ndarray, np.ndarray | None]:
-        """The drafts the device holds, i32[lane_slots, K] (a writable host copy), and with
-        candidates their best draft rows (LaneState.candidates): what the core's grammar
+        """The drafts the device holds, i32[lane_slots, K], and with candidates their best
+        draft rows (LaneState.candidates), as writable host copies: what the core's grammar
         masks are built from."""
         if candidates:
             drafts, cands = jax.device_get((self.state.drafts, self.state.candidates))
-            return np.array(drafts), cands
+            return np.array(drafts), np.array(cands)
         return np.array(self.state.drafts), None
 
     # ---------------------------------------------------------------- timing
