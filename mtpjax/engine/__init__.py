@@ -19,9 +19,17 @@ depth, the prefill chunk), which the core turns into the runner's `batch.Batch`.
 Everything after the step (tokens to requests, acceptance to the depth policy, snapshots to
 the prefix cache) reads the plan, in its row order. Words: K (`num_draft_slots`, the
 public `num_speculative_tokens`) is how many drafts a lane holds; a step's `depth` (0..K)
-is how many it verifies. Invalid
-requests end with finish_reason "error" and never touch the device. The same code with
-num_speculative_tokens = 0 is the stock engine the judge compares against.
+is how many it verifies. The same code with num_speculative_tokens = 0 is the stock engine
+the judge compares against.
+
+Errors. Invalid requests end with finish_reason "error" and never touch the device. One
+request's host state that raises (its grammar walk, its penalties' history, its output
+processing: stops, grammar, on_token, e.g. a text layer's stop strings; its input to the
+depth policy) ends that request only, "error" with the message; the step runs without it
+and every other lane goes on, token for token (tests/test_host_faults.py). A failure of
+the step itself (a program, or the policy on every lane) raises from `step()`: the device
+state may be lost (donated buffers), so callers `stop()` and `reset_device_state()` (the
+online engine does, mtpjax/serving/online.py).
 
 Host loop (one iteration, ONE program that reads the weights once):
   1. `Scheduler.schedule()`: cancellations, admission by page budget, page reservation for this

@@ -39,6 +39,11 @@ from mtpjax.sampling_params import SamplingParams
 ReadDrafts = Callable[[bool], tuple[np.ndarray, np.ndarray | None]]
 
 
+def _why(part: str, e: Exception) -> str:
+    """The error a request ends with when its own host state raised."""
+    return f"this request's {part} failed: {type(e).__name__}: {e}"
+
+
 def make_policy(policy: Policy | str | None) -> Policy:
     """"fixed"/None -> SpeculationPolicy(), "adaptive" -> AdaptiveDepth(), a callable as is."""
     if policy in (None, "fixed"):
@@ -151,8 +156,9 @@ class EngineCore:
             nt[0, :len(w.next_tokens)] = w.next_tokens
             chunk = ChunkInput(w.lane, w.start, n, toks, nt,
                                self.alloc.table[w.lane:w.lane + 1].copy(), T)
+        slot = self._snapshot_slot(sched, w)
         if not plan.rows:
-            return Batch(0, 0, plan.moves, plan.restores, chunk, self._snapshot_slot(sched, w))
+            return Batch(0, 0, plan.moves, plan.restores, chunk, slot)
         # a step carrying a chunk runs every lane slot: one program per depth, not per depth
         # and lane bucket (the idle slots are padding rows beside the chunk's tokens)
         nb = s.lane_bucket(max(plan.decode) + 1) if chunk is None else s.lane_slots
@@ -165,17 +171,28 @@ class EngineCore:
             if r.join_token is not None:
                 join_mask[r.lane], join_tok[r.lane], join_pos[r.lane] = True, r.join_token, r.pos
         table = self.alloc.table[:nb].copy()
-        masks, drafts = self._masks(sched, plan, nb, read_drafts)
-        extras, constrained = self._extras(sched, plan, nb)
-        return Batch(plan.depth, nb, plan.moves, plan.restores, chunk,
-                     self._snapshot_slot(sched, w), active, join_mask, join_tok, join_pos,
-                     table, self._sampling(sched, nb), masks, drafts, extras, constrained,
+        failed: dict[int, str] = {}          # lane -> why its request's host state raised
+        masks, drafts = self._masks(sched, plan, nb, read_drafts, failed)
+        extras, constrained = self._extras(sched, plan, nb, failed)
+        for r in plan.rows:
+            if r.lane in failed:             # it ends "error" now; the step runs without it
+                sched.fail(r.lane, r.request_id, failed[r.lane])
+                active[r.lane] = join_mask[r.lane] = False
+                if masks is not None:
+                    masks[r.lane] = -1
+                if constrained is not None:
+                    constrained[r.lane] = False
+                if extras is not None:
+                    extras.want_logprobs[r.lane] = False
+        return Batch(plan.depth, nb, plan.moves, plan.restores, chunk, slot, active, join_mask,
+                     join_tok, join_pos, table, self._sampling(sched, nb), masks, drafts, extras, constrained,
                      tuple(r.pos for r in plan.rows))
 
     @staticmethod
     def _snapshot_slot(sched: Scheduler, w) -> int | None:
-        """Record the chunk (Scheduler.prefill_done: host state only) and return the snapshot
-        slot its end is saved into, or None. The entry stays unpublished until `commit`."""
+        """Record the chunk (Scheduler.prefill_done: host state only, before any row can end
+        in this step) and return the snapshot slot its end is saved into, or None. The entry
+        stays unpublished until `commit`."""
         return None if w is None else sched.prefill_done(w)
 
     def _sampling(self, sched: Scheduler, nb: int) -> SamplingRows:
@@ -187,7 +204,8 @@ class EngineCore:
                             np.array([p.top_p for p in ps], np.float32),
                             np.array([p.seed for p in ps], np.uint32))
 
-    def _masks(self, sched: Scheduler, plan: StepBatch, nb: int, read_drafts: ReadDrafts):
+    def _masks(self, sched: Scheduler, plan: StepBatch, nb: int, read_drafts: ReadDrafts,
+               failed: dict[int, str]):
         """The step's grammar masks, i32[nb, depth+1, words] (mtpjax/grammar.py), and the
         drafts to write back (None: unchanged). Per constrained row: the grammar state after
         its emitted tokens and each prefix of the drafts the device holds (read back here:
@@ -201,7 +219,9 @@ class EngineCore:
         and, when any changed, the record carries every slot's drafts for the runner to
         write before the step; the masks follow the corrected drafts. Why here and not in
         the step: the grammar is on the host, and the step's drafts follow its own
-        acceptance, which the host learns only after it."""
+        acceptance, which the host learns only after it. A row whose grammar walk raises
+        goes into `failed` (lane -> message) with all-allowed masks and its drafts as they
+        were: its request ends "error", the other rows are unchanged."""
         depth = plan.depth
         rows = [(r, sched.lanes[r.lane].req) for r in plan.rows]
         rows = [(r, req) for r, req in rows if req.constraint is not None]
@@ -210,7 +230,10 @@ class EngineCore:
         masks = np.full((nb, depth + 1, self.shapes.mask_words), -1, np.int32)
         if not depth:
             for r, req in rows:
-                masks[r.lane] = req.constraint.step_masks([], req.stops)
+                try:
+                    masks[r.lane] = req.constraint.step_masks([], req.stops)
+                except Exception as e:  # noqa: BLE001 - this request's grammar only
+                    failed[r.lane] = _why("grammar", e)
             return masks, None
         # the drafts the step verifies: the device's, after this step's lane moves (a
         # joining lane's are reset to 0)
@@ -221,21 +244,28 @@ class EngineCore:
                 cands[dst] = cands[src]
         changed = False
         for r, req in rows:
-            if r.join_token is not None:
-                masks[r.lane] = req.constraint.step_masks([0] * depth, req.stops)
-            elif cands is None:
-                masks[r.lane] = req.constraint.step_masks(drafts[r.lane, :depth], req.stops)
-            else:
-                fixed, masks[r.lane] = req.constraint.masked_drafts(
-                    drafts[r.lane, :depth], cands[r.lane, :depth], req.stops)
-                if fixed != drafts[r.lane, :depth].tolist():
-                    drafts[r.lane, :depth] = fixed
-                    changed = True
+            try:
+                if r.join_token is not None:
+                    masks[r.lane] = req.constraint.step_masks([0] * depth, req.stops)
+                elif cands is None:
+                    masks[r.lane] = req.constraint.step_masks(drafts[r.lane, :depth],
+                                                              req.stops)
+                else:
+                    fixed, row = req.constraint.masked_drafts(
+                        drafts[r.lane, :depth], cands[r.lane, :depth], req.stops)
+                    masks[r.lane] = row
+                    if fixed != drafts[r.lane, :depth].tolist():
+                        drafts[r.lane, :depth] = fixed
+                        changed = True
+            except Exception as e:  # noqa: BLE001 - this request's grammar only
+                masks[r.lane] = -1
+                failed[r.lane] = _why("grammar", e)
         return masks, drafts if changed else None
 
-    def _extras(self, sched: Scheduler, plan: StepBatch, nb: int):
+    def _extras(self, sched: Scheduler, plan: StepBatch, nb: int, failed: dict[int, str]):
         """The step's logit_bias, penalties and log-probability requests (ExtrasRows, None
-        when no row asks) and which lanes' drafts are masked (None: none)."""
+        when no row asks) and which lanes' drafts are masked (None: none). A lane whose
+        penalties' history raises goes into `failed` (lane -> message)."""
         reqs = [(r.lane, sched.lanes[r.lane].req) for r in plan.rows]
         masked = [b for b, q in reqs if q.constraint is not None] if (
             self.mask_drafts and self.num_draft_slots) else []
@@ -259,7 +289,12 @@ class EngineCore:
             for j, (i, v) in enumerate(p.logit_bias):
                 ids[b, j], vals[b, j] = i, v
             if p.penalized:
-                self._write_history(b, q)
+                try:
+                    self._write_history(b, q)
+                except Exception as e:  # noqa: BLE001 - this request's penalties only
+                    self._history_of[b] = None
+                    failed[b] = _why("penalties", e)
+                    continue
                 plen[b] = len(q.prompt)
                 pen[:, b] = p.presence_penalty, p.frequency_penalty, p.repetition_penalty
         # rows of unpenalised lanes are whatever they hold: the step ignores them; without a
@@ -306,10 +341,16 @@ class EngineCore:
                     [int(n_acc[r.lane]) for r in plan.rows], result.compiled)
         first = []
         for r in plan.rows:
+            ln = sched.lanes[r.lane]
+            if ln is None or ln.req.id != r.request_id:    # ended "error" before the step
+                continue
             if r.join_token is not None:
                 first.append(r.request_id)
-            sched.decode_done(r.lane, [int(t) for t in out[r.lane]], int(n_acc[r.lane]),
-                              plan.depth, self._token_logprobs(sched, r.lane, result))
+            try:
+                sched.decode_done(r.lane, [int(t) for t in out[r.lane]], int(n_acc[r.lane]),
+                                  plan.depth, self._token_logprobs(sched, r.lane, result))
+            except Exception as e:  # noqa: BLE001 - this request's output processing only
+                sched.fail(r.lane, r.request_id, _why("output processing", e))
         return first
 
     @staticmethod

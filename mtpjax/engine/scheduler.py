@@ -448,7 +448,11 @@ class Scheduler:
             view = StepView(self.num_draft_slots, max_depth,
                             tuple(self._lane_view(b) for b in decode),
                             self.bucket(top), self.step, rides)
-            depth = self.policy(view)
+            depth, bad = self._choose_depth(view)
+            for b in [b for b in decode if self.lanes[b].req.id in bad]:
+                self._finish(b, FINISH_ERROR, bad[self.lanes[b].req.id])
+            decode = [b for b in decode if self.lanes[b] is not None]
+            pre = pre if pre is not None and self.lanes[pre] is not None else None
             if not (isinstance(depth, int) and 0 <= depth <= self.num_draft_slots):
                 raise ValueError(f"speculation policy returned {depth!r}; it must return a "
                                  f"depth in 0..{self.num_draft_slots}")
@@ -500,6 +504,27 @@ class Scheduler:
         self.step += 1
         return StepBatch(work, rows, depth if rows else 0, tuple(preempted), moves, view,
                          tuple(restores))
+
+    def _choose_depth(self, view: StepView) -> tuple[int, dict[int, str]]:
+        """The policy's depth for `view`, and the requests whose own input made it raise
+        ({request id: message}; they end "error", the others go on). When the policy raises
+        on the whole view, each lane is tried alone; the lanes it raises on are dropped and
+        the rest decided again. It re-raises when no lane alone is to blame (the policy's own
+        fault: the step fails as before), or when every lane is."""
+        try:
+            return self.policy(view), {}
+        except Exception:       # noqa: BLE001 - find whose input it was
+            bad = {}
+            for ln in view.lanes:
+                try:
+                    self.policy(dataclasses.replace(view, lanes=(ln,)))
+                except Exception as e:  # noqa: BLE001 - this request's input
+                    bad[ln.request_id] = (f"the depth policy failed on this request's state: "
+                                          f"{type(e).__name__}: {e}")
+            if not bad or len(bad) == len(view.lanes):
+                raise
+        rest = tuple(ln for ln in view.lanes if ln.request_id not in bad)
+        return self.policy(dataclasses.replace(view, lanes=rest)), bad
 
     def _compact(self) -> tuple[tuple[int, int], ...]:
         """Move the highest busy lanes into the lowest free ones, so that the busy lanes are
@@ -597,6 +622,16 @@ class Scheduler:
             self.on_token(req.id, new)
         if done:
             self._finish(lane, done, error)
+
+    def fail(self, lane: int, request_id: int, error: str) -> bool:
+        """End request_id, in `lane`, with finish_reason "error" and `error`: its host state
+        raised (its grammar, its penalties' history, its output processing). Its pages return
+        to the pool; the other lanes go on. False when the lane no longer holds it."""
+        ln = self.lanes[lane]
+        if ln is None or ln.req.id != request_id:
+            return False
+        self._finish(lane, FINISH_ERROR, error)
+        return True
 
     def _finish(self, lane: int, reason: str, error: str | None = None) -> None:
         req = self.lanes[lane].req
