@@ -12,6 +12,7 @@ _NAMES = {
     "Engine": "mtpjax.engine", "RequestOutput": "mtpjax.engine", "RequestStats": "mtpjax.engine",
     "SamplingParams": "mtpjax.sampling_params",
     "DataParallelEngine": "mtpjax.data_parallel", "make_engine": "mtpjax.data_parallel",
+    "from_checkpoint": "mtpjax.data_parallel",
     "StreamDecoder": "mtpjax.text", "TextEngine": "mtpjax.text", "TextOutput": "mtpjax.text",
     "Tokenizer": "mtpjax.text", "apply_chat_template": "mtpjax.text",
 }

@@ -120,14 +120,14 @@ class Engine:
                         tp: int = 1, dp: int = 1, devices: Sequence | None = None,
                         weights: str = "auto", mtp_weights: str = "auto", **kw):
         """Load a checkpoint onto tp devices; kw (kernels, page_size, max_lanes, ...) go to
-        the Engine (dp > 1: `mtpjax.data_parallel.from_checkpoint`). weights: "auto" (as
+        the Engine (dp > 1: `mtpjax.from_checkpoint`, data_parallel.py). weights: "auto" (as
         stored), "fp8" (quantize the linears block-wise at load) or "dense"; mtp_weights: the
         MTP head's ("auto": as stored, dense when weights="fp8"; mtpjax/quant.py).
         draft_vocab (in kw): "auto" (draft_vocab.default_size when the checkpoint ships a
         list), None or 0 (the whole vocabulary), a size N or share, a path, or ids."""
         if dp != 1:
             raise ValueError(f"dp={dp}: replicas are a DataParallelEngine, built by "
-                             "mtpjax.data_parallel.from_checkpoint (same arguments)")
+                             "mtpjax.from_checkpoint (same arguments)")
         return cls.replicas_from_checkpoint(path, dtype, num_speculative_tokens, tp, 1, devices,
                                             weights, mtp_weights, **kw)[0]
 
