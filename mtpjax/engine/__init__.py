@@ -51,8 +51,8 @@ Structured output (SamplingParams.grammar, mtpjax/grammar.py): a constrained req
 llguidance matcher on the host (scheduler.Request.constraint, advanced by its emitted tokens);
 before each decode step the engine reads back the drafts the step verifies and hands the step
 one packed token mask per verify row (`EngineCore._masks`: the grammar state after the
-emitted tokens and the drafts before that row), so verification samples from the masked target distribution and
-the output is constrained plain decoding's, token for token. The masks are an input of every
+emitted tokens and the drafts before that row), so verification samples from the masked
+target distribution and the output is constrained plain decoding's, token for token. The masks are an input of every
 decode program (one cached all-allowed array when no lane is constrained): no extra program.
 The drafts are masked too (`mask_drafts`): a step with a constrained lane also records each
 draft's best draft-head candidates (LaneState.candidates), and before the next step the host

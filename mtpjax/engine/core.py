@@ -185,8 +185,8 @@ class EngineCore:
                 if extras is not None:
                     extras.want_logprobs[r.lane] = False
         return Batch(plan.depth, nb, plan.moves, plan.restores, chunk, slot, active, join_mask,
-                     join_tok, join_pos, table, self._sampling(sched, nb), masks, drafts, extras, constrained,
-                     tuple(r.pos for r in plan.rows))
+                     join_tok, join_pos, table, self._sampling(sched, nb), masks, drafts,
+                     extras, constrained, tuple(r.pos for r in plan.rows))
 
     @staticmethod
     def _snapshot_slot(sched: Scheduler, w) -> int | None:
