@@ -313,10 +313,10 @@ def _model_table(rows: list[dict]) -> str:
 
 
 def predict_depth(doc: dict, K: int, lanes: int, acceptance: list[float]) -> dict | None:
-    """The depth mtpjax.depth.AdaptiveDepth would settle on if the device ran each depth's
+    """The depth mtpjax.engine.depth.AdaptiveDepth would settle on if the device ran each depth's
     step in the audit's predicted time (floor + data movement at --hbm_gbps) and drafts were
     accepted at the given rates; None unless decode_k0..decode_kK were all compiled."""
-    from mtpjax.depth import predict
+    from mtpjax.engine.depth import predict
     progs = doc["programs"]
     if K < 1 or any(f"decode_k{d}" not in progs for d in range(K + 1)):
         return None

@@ -25,9 +25,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from experiments import hlo_audit
-from mtpjax import model, quant, sampling, snapshots, steps, tensor_parallel
+from mtpjax import model, quant, sampling, steps, tensor_parallel
+from mtpjax.engine import snapshots
 from mtpjax.config import Config
-from mtpjax.kv_pool import pages_for
+from mtpjax.engine.kv_pool import pages_for
 from mtpjax.draft_vocab import abstract_head
 from mtpjax.params import (abstract_params, fp8_paths, get_path, hf_tensor_map, leaf_dtype,
                            leaf_shapes)
@@ -102,7 +103,7 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
     drafts: what an iteration runs when no lane decodes); draft: one chained MTP step
     (steps.draft_chain with k = 2), the unit of the draft path (K >= 1 only); move_lane
     (steps.move_lane: lane compaction), snapshot_save and snapshot_restore
-    (mtpjax/snapshots.py, the prefix cache's GDN snapshots, `snapshot_slots` slots): with
+    (mtpjax/engine/snapshots.py, the prefix cache's GDN snapshots, `snapshot_slots` slots): with
     those, every program the engine launches. The KV pool holds every lane at full context,
     as the engine's default. A prefill chunk (alone or riding) sits at the end of a
     max_seq_len context (start = max_seq_len - T), the pages its table addresses.

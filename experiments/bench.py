@@ -788,7 +788,7 @@ def run_ttft_sweep(cfg: Config, params: Params, prompts: Sequence[Sequence[int]]
     split of that time (the prefill chunks run alone; the decode step the last token joins,
     which samples it and carries the last chunk when the scheduler puts it there; the launch
     overhead inside both; the host time). Every prompt runs once untimed first: compiling is
-    no clock time anyway (engine.py prices a program's run), but a first request's host time
+    no clock time anyway (the model runner prices a program's run), but a first request's host time
     holds one-time costs (first calls of host-side helpers) no served request pays."""
     from mtpjax import Engine
     from mtpjax.sampling import SamplingParams

@@ -8,7 +8,7 @@ import os
 
 # --clock: "wall" = this machine's perf_counter; "h200" = the engines run here (real tokens,
 # real acceptance) and each advances its own cost_model.VirtualClock by the modelled price of
-# every program it launches, plus the host time measured here (mtpjax/engine.py).
+# every program it launches, plus the host time measured here (mtpjax/engine/runner.py).
 CLOCKS = ("wall", "h200")
 CLOCK_HELP = ("wall: time as measured on this machine; h200: each engine runs here (real "
               "tokens and acceptance) and times itself on a cost_model.VirtualClock: every "

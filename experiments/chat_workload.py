@@ -1,7 +1,7 @@
 """The judge's `chat` workload: multi-turn conversations on a shared system prompt.
 
 Chat and agent traffic repeats long prefixes; this workload is where the prefix cache
-(mtpjax/prefix_cache.py) earns its keep, and it checks that speculation still pays when
+(mtpjax/engine/prefix_cache.py) earns its keep, and it checks that speculation still pays when
 prefills are mostly cache hits. Each conversation starts from the same system prompt plus
 its own first user message; turn t+1's prompt is turn t's prompt + the reply + the next user
 message (token level: the conversation's text, as a chat template would lay it out, is not

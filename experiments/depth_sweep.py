@@ -18,7 +18,7 @@ Why it is measured this way:
   tokens / wall seconds of `generate`, prefill included.
 - Depth 0 is the stock engine (num_speculative_tokens=0). Every other column runs an engine
   with K = the deepest depth of the sweep: depth d >= 1 fixed = the fixed policy at depth d
-  (`SpeculationPolicy(depth=d)`), "adaptive" = mtpjax.depth.AdaptiveDepth, which may pick any
+  (`SpeculationPolicy(depth=d)`), "adaptive" = mtpjax.engine.depth.AdaptiveDepth, which may pick any
   depth 0..K each step. So all of them share one set of compiled programs (a depth-d step on
   a K-slot engine differs from one on a d-slot engine only in the size of the GDN pending
   buffer, (K+1) small per-token inputs): compiling, not running, is what a cold sweep spends
@@ -190,7 +190,7 @@ def make_engine(cfg, params, lanes: int, depth: int | str, depths, max_seq_len: 
     acceptance is drawn from (mtpjax/simulated_acceptance.py; timing only)."""
     import mtpjax
     from experiments import card as card_lib
-    from mtpjax.scheduler import SpeculationPolicy
+    from mtpjax.engine.scheduler import SpeculationPolicy
     k = engine_k(depth, depths)
     policy = (ADAPTIVE if depth == ADAPTIVE else
               SpeculationPolicy(depth=int(depth)) if k else "fixed")

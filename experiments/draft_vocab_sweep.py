@@ -11,7 +11,7 @@ costs in acceptance and earns in speed.
    full-vocabulary engine's token for token (lossless).
 2. Predicted for Qwen3.5-27B on one H200 (mtpjax/cost_model.py, bf16, the clock the judge's
    `--clock=h200` uses): per N in --sizes_27b, the draft program's bytes and time, each depth's
-   step time at 1, 8 and 32 lanes, the depth mtpjax.depth.AdaptiveDepth would choose from
+   step time at 1, 8 and 32 lanes, the depth mtpjax.engine.depth.AdaptiveDepth would choose from
    them (depth.predict) and its tokens/s against the stock step. The 27B's acceptance is the
    aot command's assumed profile (--acceptance) times (1 - m(N))^j, m(N) from one published
    point (a 32k-row draft head for Qwen's MTP: acceptance 66.7% -> 63.6%, so m(32k) = 4.6%)
@@ -59,7 +59,7 @@ def measure_tiny(log) -> dict:
     from experiments import corpus
     from mtpjax import draft_vocab as dv
     from mtpjax.sampling import SamplingParams
-    from mtpjax.scheduler import SpeculationPolicy
+    from mtpjax.engine.scheduler import SpeculationPolicy
     from mtpjax.text import Tokenizer
     tok = Tokenizer.from_checkpoint(FLAGS.checkpoint)
     cfg, params = mtpjax.load_checkpoint(FLAGS.checkpoint, "float32")
@@ -116,7 +116,7 @@ def zipf_miss(n: int, miss_32k: float, V: int = V27) -> float:
 def predict_27b(log) -> dict:
     """Part 2: the 27B's draft program and step prices per N, and the adaptive depth."""
     from mtpjax.cost_model import CostModel
-    from mtpjax.depth import predict
+    from mtpjax.engine.depth import predict
     K = FLAGS.num_speculative_tokens
     base = [float(a) for a in FLAGS.acceptance][:K]
     rows = []

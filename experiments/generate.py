@@ -37,7 +37,7 @@ flags.DEFINE_boolean("enable_thinking", True, "chat template: open a <think> blo
 flags.DEFINE_integer("num_speculative_tokens", 1, "MTP draft slots K: each step drafts up "
                      "to K tokens (0 = no speculation)")
 flags.DEFINE_boolean("adaptive", False, "choose each step's depth in 0..K from measured step "
-                     "time and acceptance (mtpjax/depth.py); else always K")
+                     "time and acceptance (mtpjax/engine/depth.py); else always K")
 flags.DEFINE_integer("max_new_tokens", 128, "tokens to generate at most")
 flags.DEFINE_float("temperature", None, "0 = greedy (default: --generation_config's)")
 flags.DEFINE_integer("top_k", None, "0 = off (default: --generation_config's)")

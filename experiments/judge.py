@@ -3,7 +3,7 @@
 Contract: ../shared/spec/judge.md. Two engines that differ only in speculation (stock: k = 0;
 candidate: MTP with K draft slots) run the same prompts, sampling parameters, kernels, lanes and
 page pool. The candidate's depth policy (--adaptive, default on) picks each step's draft depth
-in 0..K from measured step cost and acceptance (mtpjax.depth.AdaptiveDepth); --adaptive=false
+in 0..K from measured step cost and acceptance (mtpjax.engine.depth.AdaptiveDepth); --adaptive=false
 runs the fixed depth K whenever the pages allow. Order of work:
 
   0. engine warm-up: `Engine.warmup()` compiles every program a run can launch (every depth
@@ -83,7 +83,7 @@ flags.DEFINE_list("workloads", ["solo", "team", "busy"], "workloads to run")
 flags.DEFINE_integer("num_speculative_tokens", 4, "K: the candidate's draft slots (its deepest "
                      "draft depth; >= 1)")
 flags.DEFINE_bool("adaptive", True, "candidate depth policy: adaptive over depths 0..K "
-                  "(mtpjax.depth.AdaptiveDepth); --adaptive=false: the fixed depth K")
+                  "(mtpjax.engine.depth.AdaptiveDepth); --adaptive=false: the fixed depth K")
 flags.DEFINE_enum("mtp_head", "trained", ["trained", "random"], "the MTP head both engines run: "
                   "trained = the checkpoint's; random = Gaussian noise of the same shapes, dtype "
                   "and per-tensor mean/std (seeded by --seed), a control whose drafts are almost "
@@ -1254,7 +1254,7 @@ def clock_section(results: dict, chat_runs: dict | None, engines: dict, k: int) 
             "how": "each engine has its own clock: every program it launches adds the cost "
                    "model's price at the program's shapes (device_s); host_s is this "
                    "machine's measured time inside Engine.step outside the programs and the "
-                   "caller's on_token callbacks (mtpjax/engine.py); tokens/s = tokens / "
+                   "caller's on_token callbacks (mtpjax/engine/runner.py); tokens/s = tokens / "
                    "(device_s + host_s) of the pass"}
 
 

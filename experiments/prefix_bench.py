@@ -9,7 +9,7 @@ primed by one request (it caches the shared prefix's boundaries) and warmed by a
 snapshot restore program compiles); the off engine runs the same two untimed requests. Then
 `repeats` timed requests each; the median is reported, with the prompt tokens the hits
 skipped (the largest snapshot boundary inside the shared part whose next token matches; see
-mtpjax/prefix_cache.py).
+mtpjax/engine/prefix_cache.py).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ flags.DEFINE_string("served_model_name", None, "the model id clients send (defau
                     "checkpoint folder's name)")
 flags.DEFINE_integer("num_speculative_tokens", 4, "MTP draft slots K (0 = no speculation)")
 flags.DEFINE_boolean("adaptive", True, "choose each step's draft depth 0..K from measured step "
-                     "time and acceptance (mtpjax/depth.py); else always K")
+                     "time and acceptance (mtpjax/engine/depth.py); else always K")
 flags.DEFINE_integer("max_lanes", 8, "requests decoded together; more wait in the queue")
 flags.DEFINE_integer("max_seq_len", 1024, "context limit per request (prompt + output)")
 flags.DEFINE_integer("prefill_chunk", 64, "prefill chunk length")

@@ -157,6 +157,16 @@ class DataParallelEngine:
                 "policy": per[0]["policy"], "replicas": per}
 
 
+def from_checkpoint(path: str, dtype: str = "float32", num_speculative_tokens: int = 0,
+                    tp: int = 1, dp: int = 1, devices: Sequence | None = None, **kw):
+    """`Engine.from_checkpoint` with dp replicas: an Engine (dp = 1) or a DataParallelEngine
+    of dp engines, each with its own lanes and page pool on its own tp devices (kw: as
+    Engine.from_checkpoint's)."""
+    engines = Engine.replicas_from_checkpoint(path, dtype, num_speculative_tokens, tp, dp,
+                                              devices, **kw)
+    return engines[0] if dp == 1 else DataParallelEngine(engines)
+
+
 def make_engine(cfg: Config, params: Params, *, tp: int = 1, dp: int = 1,
                 devices: Sequence | None = None, placed: Sequence[Params] | None = None, **kw):
     """An Engine on tp devices (dp = 1) or a DataParallelEngine of dp such replicas.

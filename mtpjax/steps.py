@@ -42,7 +42,7 @@ one program per bucket. Slots >= B are neither read nor written, so an idle lane
 
 Draft depth per step. The cache and LaneState are sized for the engine's K draft slots
 (P = K + 1 pending slots, drafts [B, K]); each step verifies the first d of them, d chosen by
-the host each step (mtpjax/depth.py), one program per (d, lane bucket). A depth-d step leaves
+the host each step (mtpjax/engine/depth.py), one program per (d, lane bucket). A depth-d step leaves
 d fresh drafts (slots past d hold 0). The next step may verify more than that: the extra
 slots hold 0 or stale drafts, which verification simply rejects (any draft is lossless; it
 only costs that step's acceptance, and the host counts acceptance only over real drafts).

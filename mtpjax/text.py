@@ -289,7 +289,8 @@ class TextEngine:
         from mtpjax.serving.chat_template import load_chat_template
         tok = Tokenizer.from_checkpoint(path)  # fail before loading weights
         template = load_chat_template(path)
-        return cls(Engine.from_checkpoint(path, dtype, num_speculative_tokens, **engine_kw), tok,
+        from mtpjax.data_parallel import from_checkpoint
+        return cls(from_checkpoint(path, dtype, num_speculative_tokens, **engine_kw), tok,
                    chat_template=template)
 
     def encode_prompt(self, prompt: Prompt) -> list[int]:

@@ -24,7 +24,7 @@ Data flow of one call (one layer):
    that lies outside ``[0, num_pages)`` is a corrupt page table: the page is
    not read, and every row that needs it comes out NaN (only that lane's
    rows), instead of clamping the id and reading some other lane's page.
-   Hosts validate tables first (``mtpjax.kv_pool.PageAllocator.table``,
+   Hosts validate tables first (``mtpjax.engine.kv_pool.PageAllocator.table``,
    ``validate_paged_inputs_dynamic``); the NaN is the in-program backstop.
 5. With ``k_splits > 1`` every split writes an unnormalised partial output
    plus its row max and row sum, and the wrapper merges them (flash

@@ -19,9 +19,9 @@ import pytest
 import mtpjax
 from mtpjax import model, steps
 from mtpjax.cost_model import VirtualClock
-from mtpjax.depth import AdaptiveDepth, StepCosts, context_bucket
+from mtpjax.engine.depth import AdaptiveDepth, StepCosts, context_bucket
 from mtpjax.sampling import SamplingParams
-from mtpjax.scheduler import LaneView, RequestStats, StepView
+from mtpjax.engine.scheduler import LaneView, RequestStats, StepView
 
 from tiny_models import VOCAB11_CFG as CFG, VOCAB11_PARAMS as PARAMS
 
@@ -349,7 +349,7 @@ def test_policy_arguments_are_checked():
 def test_predict_matches_the_expected_token_arithmetic():
     """predict() runs the policy on given step times and pooled acceptance: with acceptance
     a_j (share of verify steps accepting draft j), E_d = 1 + a_1 + ... + a_d per lane."""
-    from mtpjax.depth import predict
+    from mtpjax.engine.depth import predict
     acc = [0.9, 0.7, 0.4, 0.1]
     times = [1.0, 1.1, 1.2, 1.3, 1.4]
     depth, rates = predict(times, acc, lanes=2)
@@ -362,7 +362,7 @@ def test_predict_matches_the_expected_token_arithmetic():
 
 
 def test_fixed_policy_depth_and_page_cap():
-    from mtpjax.scheduler import SpeculationPolicy
+    from mtpjax.engine.scheduler import SpeculationPolicy
     view = lambda max_depth, lanes=1: StepView(K, max_depth, tuple(
         LaneView(i, 5, K, RequestStats.for_depth(K)) for i in range(lanes)), 1, 0)
     assert SpeculationPolicy()(view(K)) == K

@@ -20,7 +20,8 @@ import numpy as np
 import pytest
 
 import mtpjax
-from mtpjax import snapshots, steps
+from mtpjax import steps
+from mtpjax.engine import snapshots
 from mtpjax.sampling import LaneSampling, SamplingParams
 
 from test_depth import RandomDepth

@@ -554,7 +554,7 @@ def test_busy_pool_is_filled_by_its_lanes_fresh_prompts():
     sequences cannot leave pages free while every lane runs: the pool, not the lane count,
     limits admission. (The earlier pool, 0.6 x the mid-reply pages, was 57 pages for these
     prompts: 16 fresh lanes of 48 tokens held 48, and use fell to 0.65 after such waves.)"""
-    from mtpjax.kv_pool import tokens_touched_decode
+    from mtpjax.engine.kv_pool import tokens_touched_decode
     jc = judge.JudgeConfig()
     prompts = [[1] * 48, [2] * 60, [3] * 50]
     pages = judge.busy_pages(jc, prompts)

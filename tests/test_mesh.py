@@ -225,3 +225,20 @@ def test_reference_prefill_calls_no_lapack():
     hlo = pk.chunk_gated_delta_reference.lower(q, k, v, g, b, s).compile().as_text()
     targets = re.findall(r'custom_call_target="([^"]*)"', hlo)
     assert not [t for t in targets if "lapack" in t or "trsm" in t], targets
+
+
+def test_replicas_from_a_checkpoint_are_a_data_parallel_engine():
+    """mtpjax.from_checkpoint(dp=2) builds the replicas on the Engine façade (which does not
+    import data_parallel: Engine.from_checkpoint(dp=2) says where replicas are built)."""
+    import os
+    path = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        "checkpoints", "tiny")
+    kw = dict(max_lanes=1, max_seq_len=32, prefill_chunk=16, kernels="reference")
+    eng = mtpjax.from_checkpoint(path, dp=2, devices=jax.devices()[:2], **kw)
+    assert isinstance(eng, mtpjax.DataParallelEngine) and eng.dp == 2
+    one = mtpjax.from_checkpoint(path, **kw)
+    assert isinstance(one, Engine)
+    p, sp = [1, 2, 3, 4, 5], SamplingParams(max_new_tokens=4)
+    assert eng.generate([p], sp)[0].token_ids == one.generate([p], sp)[0].token_ids
+    with pytest.raises(ValueError, match="mtpjax.from_checkpoint"):
+        Engine.from_checkpoint(path, dp=2, **kw)

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from mtpjax.engine import Engine
-from mtpjax.kv_pool import CorruptPageTableError, PageAllocator, validate_page_table
+from mtpjax.engine.kv_pool import CorruptPageTableError, PageAllocator, validate_page_table
 from mtpjax.sampling import SamplingParams
 
 from tiny_models import VOCAB11_CFG as CFG, VOCAB11_PARAMS as PARAMS

@@ -1,4 +1,4 @@
-"""Prefix cache (mtpjax/prefix_cache.py, snapshots.py, kv_pool refcounts): exact reuse.
+"""Prefix cache (mtpjax/engine/prefix_cache.py, snapshots.py, kv_pool refcounts): exact reuse.
 
 1. Host side: the boundaries, the key (it includes the token after the prefix: the MTP KV of
    the last cached position depends on it), LRU eviction, reference counts.
@@ -17,10 +17,10 @@ import numpy as np
 import pytest
 
 from mtpjax.engine import Engine
-from mtpjax.kv_pool import CorruptPageTableError, PageAllocator, pages_for
-from mtpjax.prefix_cache import PrefixCache, block_hashes
+from mtpjax.engine.kv_pool import CorruptPageTableError, PageAllocator, pages_for
+from mtpjax.engine.prefix_cache import PrefixCache, block_hashes
 from mtpjax.sampling import SamplingParams
-from mtpjax.scheduler import Request, RequestStats, Scheduler
+from mtpjax.engine.scheduler import Request, RequestStats, Scheduler
 
 from test_scheduler import V, MockModel, expected
 from tiny_models import VOCAB11_CFG as CFG, VOCAB11_PARAMS as PARAMS
@@ -53,7 +53,7 @@ def test_chunks_end_at_multiples_of_the_budget_and_snapshot_there(n, chunks_want
     boundary; the last token joins decode."""
     alloc = PageAllocator(100, 4, 2, 40)
     cache = PrefixCache(alloc, num_slots=8, snapshot_pages=0, every_blocks=1)
-    s = Scheduler(alloc, k=1, max_seq_len=128, prefill_chunk=8, prefix_cache=cache)
+    s = Scheduler(alloc, num_draft_slots=1, max_seq_len=128, prefill_chunk=8, prefix_cache=cache)
     s.add(Request(0, list(range(n)), SamplingParams(max_new_tokens=2), frozenset(),
                   stats=RequestStats.for_depth(1)))
     chunks, saved = [], []
@@ -204,15 +204,16 @@ def test_mock_prefix_hits_read_the_right_pages_under_pressure(k):
     page_size, lanes, max_seq = 4, 4, 96
     waves = conversations(12, seed=k)
     alloc = PageAllocator(1, page_size, lanes, pages_for(max_seq + 2 * k, page_size))
-    need = max(Scheduler(alloc, k=k, max_seq_len=max_seq, prefill_chunk=8).pages_worst_case(
-        len(p), sp.max_new_tokens) for w in waves for p, sp in w)
+    probe = Scheduler(alloc, num_draft_slots=k, max_seq_len=max_seq, prefill_chunk=8)
+    need = max(probe.pages_worst_case(len(p), sp.max_new_tokens) for w in waves for p, sp in w)
     pages = need + 1                              # the longest request + 1: evict and preempt
     alloc = PageAllocator(pages, page_size, lanes, pages_for(max_seq + 2 * k, page_size))
     cache = PrefixCache(alloc, num_slots=6, snapshot_pages=1, every_blocks=2)
     m = FrozenGuardMock(alloc, k)
     rid = preempted = 0
     for wave in waves:
-        sched = Scheduler(alloc, k=k, max_seq_len=max_seq, prefill_chunk=8, prefix_cache=cache)
+        sched = Scheduler(alloc, num_draft_slots=k, max_seq_len=max_seq, prefill_chunk=8,
+                          prefix_cache=cache)
         for p, sp in wave:
             sched.add(Request(rid, p, sp, frozenset(), stats=RequestStats.for_depth(k)))
             rid += 1

@@ -13,9 +13,9 @@ import random
 
 import pytest
 
-from mtpjax.kv_pool import OutOfPagesError, PageAllocator, pages_for, tokens_touched_decode
+from mtpjax.engine.kv_pool import OutOfPagesError, PageAllocator, pages_for, tokens_touched_decode
 from mtpjax.sampling import SamplingParams
-from mtpjax.scheduler import Request, RequestStats, Scheduler, SpeculationPolicy
+from mtpjax.engine.scheduler import Request, RequestStats, Scheduler, SpeculationPolicy
 
 V = 13
 
@@ -134,13 +134,13 @@ class MockModel:
         for r in plan.rows:
             if r.join_token is not None:
                 self.join(r)
-            results.append((r.lane, self.decode(r.lane, plan.k)))
+            results.append((r.lane, self.decode(r.lane, plan.depth)))
         if plan.prefill:
             slot = sched.prefill_done(plan.prefill)
             if slot is not None:           # the engine saves the snapshot, then publishes
                 sched.snapshot_saved(slot)
         for lane, (out, acc) in results:
-            sched.decode_done(lane, out, acc, plan.k)
+            sched.decode_done(lane, out, acc, plan.depth)
 
     def move(self, src, dst):
         """A lane's device state moves with it (steps.move_lane); pages move by table."""
@@ -193,8 +193,8 @@ def run_mock(reqs, *, lanes, pages, page_size, k, chunk=5, max_seq_len=64, polic
         if cancel_at and i == cancel_at[0] and len(streamed[i]) >= cancel_at[1]:
             sched.cancel(i)
 
-    sched = Scheduler(alloc, k=k, max_seq_len=max_seq_len, prefill_chunk=chunk, policy=policy,
-                      on_token=on_token)
+    sched = Scheduler(alloc, num_draft_slots=k, max_seq_len=max_seq_len, prefill_chunk=chunk,
+                      policy=policy, on_token=on_token)
     for i, (p, sp) in enumerate(reqs):
         assert sched.pages_worst_case(len(p), sp.max_new_tokens) <= pages
         sched.add(Request(i, p, sp, frozenset(sp.stop_token_ids),
@@ -210,7 +210,7 @@ def run_mock(reqs, *, lanes, pages, page_size, k, chunk=5, max_seq_len=64, polic
         assert busy == list(range(len(busy))), f"busy lanes {busy} are not compact"
         m.step(sched, plan)
         if plan.decode:
-            ks.append(plan.k)
+            ks.append(plan.depth)
         alloc.check()
     assert alloc.free_pages == pages
     return sched, streamed, ks
@@ -283,7 +283,7 @@ def test_cancel_running_and_queued_requests():
     assert all(sched.finished[i].finish_reason == "length" for i in range(1, 6))
     # a queued request cancelled before it runs never emits
     alloc = PageAllocator(10, 4, 1, 10)
-    s = Scheduler(alloc, k=0, max_seq_len=32, prefill_chunk=8)
+    s = Scheduler(alloc, num_draft_slots=0, max_seq_len=32, prefill_chunk=8)
     s.add(Request(0, [1], SamplingParams(), frozenset()))
     s.cancel(0)
     plan = s.schedule()
@@ -293,7 +293,7 @@ def test_cancel_running_and_queued_requests():
 
 def test_worst_case_pages_of_a_request():
     alloc = PageAllocator(100, 4, 1, 100)
-    s = Scheduler(alloc, k=2, max_seq_len=40, prefill_chunk=8)
+    s = Scheduler(alloc, num_draft_slots=2, max_seq_len=40, prefill_chunk=8)
     # prompt 10, 5 new: last step at pos 13 touches 13 + 2k = 17 tokens -> 5 pages
     assert s.pages_worst_case(10, 5) == 5
     # one new token: the join step at pos 9 (the prompt's last token) at depth k writes up to

@@ -88,7 +88,7 @@ class Fault:
 
 
 class FaultInjector:
-    """Replaces engine._program: the faults[i] = (kind, n) n-th launch of a program of that
+    """Replaces engine.runner._program: the faults[i] = (kind, n) n-th launch of a program of that
     kind runs for real (its donated buffers are deleted) and then raises. Each fired fault
     records the prompts of the requests the step held: those in a lane, and queued ones that
     already have tokens (preempted) -- what the online engine fails after a step raises."""
@@ -97,14 +97,14 @@ class FaultInjector:
         self.engine, self.faults = engine, list(faults)
         self.counts: dict[str, int] = {}
         self.fired: list[Fault] = []
-        self._real = engine._program
+        self._real = engine.runner._program
 
     def __enter__(self):
-        self.engine._program = self._program
+        self.engine.runner._program = self._program
         return self
 
     def __exit__(self, *exc):
-        del self.engine._program
+        del self.engine.runner._program
 
     def _program(self, key, run, *args, **kw):
         kind = program_kind(key)

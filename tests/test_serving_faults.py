@@ -26,9 +26,9 @@ import pytest
 
 from mtpjax import tensor_parallel
 from mtpjax.engine import Engine
-from mtpjax.kv_pool import PageAllocator
+from mtpjax.engine.kv_pool import PageAllocator
 from mtpjax.sampling import SamplingParams
-from mtpjax.scheduler import RECENT_IDS, Request, Scheduler
+from mtpjax.engine.scheduler import RECENT_IDS, Request, Scheduler
 from mtpjax.serving.online import OnlineEngine
 from mtpjax.text import StreamDecoder
 
@@ -89,7 +89,7 @@ def failing_program(engine, exc, when=is_step):
     """The first program launch whose key satisfies when(key) runs for real (its donated
     cache and lane state are deleted) and then raises exc. Yields a list that gets, when it
     fired, how many of the old device arrays the program deleted."""
-    real, fired = engine._program, []
+    real, fired = engine.runner._program, []
 
     def program(key, run, *args, **kw):
         if fired or not when(key):
@@ -99,11 +99,11 @@ def failing_program(engine, exc, when=is_step):
         fired.append(sum(x.is_deleted() for x in before))
         raise exc
 
-    engine._program = program
+    engine.runner._program = program
     try:
         yield fired
     finally:
-        del engine._program
+        del engine.runner._program
 
 
 # ------------------------------------------------------------------ device state rebuilt
@@ -378,7 +378,7 @@ def test_scheduler_bookkeeping_stays_bounded():
     then one decoded token), a third are cancelled while queued, a third are refused at
     submit; each step also cancels an ended id and an id never submitted."""
     alloc = PageAllocator(8, 4, 2, 4)
-    sched = Scheduler(alloc, k=0, max_seq_len=16, prefill_chunk=8)
+    sched = Scheduler(alloc, num_draft_slots=0, max_seq_len=16, prefill_chunk=8)
     one = SamplingParams(max_new_tokens=1)
     most = 0
     for i in range(N):

@@ -8,7 +8,7 @@ iteration, runs the plan's programs, and reports the tokens back:
      pages of their whole prefill on top of what running lanes still need (their unfinished
      prefill and every decoding lane's next depth-0 step: draft slots only use pages that are
      free, see _promised).
-     With a prefix cache (mtpjax/prefix_cache.py) an admitted request first looks up its
+     With a prefix cache (mtpjax/engine/prefix_cache.py) an admitted request first looks up its
      longest cached prefix: on a hit its page table starts with the cached (shared, read-only)
      pages, its prefill starts at the boundary, and the plan restores the boundary's GDN
      snapshot into its lane (Plan.restores). Cached pages count as available: they are
@@ -44,9 +44,9 @@ import dataclasses
 import threading
 from typing import Callable, Protocol
 
-from mtpjax.kv_pool import PageAllocator, pages_for, tokens_touched_decode
-from mtpjax.prefix_cache import PrefixCache
-from mtpjax.sampling import SamplingParams
+from mtpjax.engine.kv_pool import PageAllocator, pages_for, tokens_touched_decode
+from mtpjax.engine.prefix_cache import PrefixCache
+from mtpjax.sampling_params import SamplingParams
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ERROR, FINISH_CANCELLED = "stop", "length", "error", "cancelled"
 
@@ -73,9 +73,10 @@ class RequestStats:
     preemptions: int = 0
 
     @staticmethod
-    def for_depth(k: int) -> "RequestStats":
-        return RequestStats(accepted_per_position=[0] * k, tried_per_position=[0] * k,
-                            depth_steps=[0] * (k + 1))
+    def for_depth(num_draft_slots: int) -> "RequestStats":
+        n = num_draft_slots
+        return RequestStats(accepted_per_position=[0] * n, tried_per_position=[0] * n,
+                            depth_steps=[0] * (n + 1))
 
     @property
     def tokens_per_step(self) -> float:
@@ -177,12 +178,12 @@ class StepBatch:
     prefix cache) reads this one record, so no two of them can disagree on which lane holds
     which request.
 
-    rows: the decode lanes in lane order; k: the step's depth; prefill: at most one lane's
+    rows: the decode lanes in lane order; depth: the step's depth; prefill: at most one lane's
     chunk, run in the same program as the rows; view: what the depth policy is told the step
     ran (view.lanes correspond to rows, in order)."""
     prefill: PrefillWork | None
     rows: tuple[BatchRow, ...]
-    k: int                    # drafts verified by the decode step (its depth, 0..K)
+    depth: int                # drafts verified by the decode step (0..num_draft_slots)
     preempted: tuple[int, ...] = ()   # request ids preempted while planning
     moves: tuple[tuple[int, int], ...] = ()   # (src, dst) lane moves to apply first (compaction)
     view: "StepView | None" = None
@@ -255,12 +256,14 @@ class SpeculationPolicy:
 class Scheduler:
     """Queue + lanes + page accounting for one `generate` call (see the module docstring)."""
 
-    def __init__(self, alloc: PageAllocator, *, k: int, max_seq_len: int, prefill_chunk: int,
+    def __init__(self, alloc: PageAllocator, *, num_draft_slots: int, max_seq_len: int,
+                 prefill_chunk: int,
                  policy: Policy | None = None,
                  on_token: Callable[[int, list[int]], None] | None = None,
                  prefix_cache: PrefixCache | None = None, lanes: int | None = None,
                  bucket: Callable[[int], int] | None = None, mixed_depth: int | None = None):
-        self.alloc, self.k, self.max_seq_len = alloc, k, max_seq_len
+        self.alloc, self.max_seq_len = alloc, max_seq_len
+        self.num_draft_slots = k = int(num_draft_slots)   # K: the drafts a lane can hold
         # the deepest step that carries a prefill chunk (default K): a cap bounds the programs
         self.mixed_depth = k if mixed_depth is None else max(0, min(int(mixed_depth), k))
         self.chunk = prefill_chunk
@@ -292,7 +295,7 @@ class Scheduler:
     # ---------------------------------------------------------------- requests
     def pages_worst_case(self, prompt_len: int, max_new_tokens: int) -> int:
         """Most pages a request ever holds at depth K (it must fit the pool alone)."""
-        k = self.k
+        k = self.num_draft_slots
         end = min(prompt_len + max_new_tokens, self.max_seq_len)
         last_pos = max(end - 2, prompt_len - 1)  # the last token fed to a step (the join's
         return pages_for(tokens_touched_decode(last_pos, k), self.alloc.page_size)  # at least)
@@ -422,7 +425,8 @@ class Scheduler:
 
         running = self._running()
         pre = next((b for b in running if self.lanes[b].prefilling), None)
-        joins = pre is not None and self._chunk_end(self.lanes[pre]) == len(self.lanes[pre].seq) - 1
+        joins = (pre is not None
+                 and self._chunk_end(self.lanes[pre]) == len(self.lanes[pre].seq) - 1)
         decode = sorted(b for b in running
                         if self.lanes[b].pos >= 0 or self.lanes[b].ready or (b == pre and joins))
         pre_need = (self.alloc.needed(pre, self._chunk_end(self.lanes[pre]))
@@ -433,24 +437,29 @@ class Scheduler:
         def fits(d: int) -> bool:
             return pre_need + sum(self.alloc.needed(b, tokens_touched_decode(
                 self._feed_pos(self.lanes[b]), d)) for b in decode) <= available
-        max_depth = next((d for d in range(self.k, -1, -1) if fits(d)), 0)
+        max_depth = next((d for d in range(self.num_draft_slots, -1, -1) if fits(d)), 0)
         if pre is not None:
             max_depth = min(max_depth, self.mixed_depth)
-        k = 0
+        depth = 0
         if decode:
             top = len(running)     # busy lanes are 0..n-1 after compaction
             rides = (self._chunk_end(self.lanes[pre]) - self.lanes[pre].prefilled
                      if pre is not None else 0)
-            view = StepView(self.k, max_depth, tuple(self._lane_view(b) for b in decode),
+            view = StepView(self.num_draft_slots, max_depth,
+                            tuple(self._lane_view(b) for b in decode),
                             self.bucket(top), self.step, rides)
-            k = self.policy(view)
-            if not (isinstance(k, int) and 0 <= k <= self.k):
-                raise ValueError(f"speculation policy returned {k!r}; it must return a depth "
-                                 f"in 0..{self.k}")
+            depth, bad = self._choose_depth(view)
+            for b in [b for b in decode if self.lanes[b].req.id in bad]:
+                self._finish(b, FINISH_ERROR, bad[self.lanes[b].req.id])
+            decode = [b for b in decode if self.lanes[b] is not None]
+            pre = pre if pre is not None and self.lanes[pre] is not None else None
+            if not (isinstance(depth, int) and 0 <= depth <= self.num_draft_slots):
+                raise ValueError(f"speculation policy returned {depth!r}; it must return a "
+                                 f"depth in 0..{self.num_draft_slots}")
             if pre is not None:
-                k = min(k, self.mixed_depth)   # a step carrying a chunk: capped programs
+                depth = min(depth, self.mixed_depth)   # a step carrying a chunk: capped
 
-        want = {b: tokens_touched_decode(self._feed_pos(self.lanes[b]), k) for b in decode}
+        want = {b: tokens_touched_decode(self._feed_pos(self.lanes[b]), depth) for b in decode}
         if pre is not None and pre not in want:
             want[pre] = self._chunk_end(self.lanes[pre])
         preempted = []
@@ -483,7 +492,8 @@ class Scheduler:
                      for b in decode)
         view = None
         if rows:
-            view = StepView(self.k, max_depth, tuple(self._lane_view(r.lane) for r in rows),
+            view = StepView(self.num_draft_slots, max_depth,
+                            tuple(self._lane_view(r.lane) for r in rows),
                             self.bucket(len(self._running())), self.step,
                             0 if work is None else len(work.tokens))
         restores = []
@@ -492,8 +502,29 @@ class Scheduler:
                 restores.append((b, ln.restore))
                 ln.restore = None
         self.step += 1
-        return StepBatch(work, rows, k if rows else 0, tuple(preempted), moves, view,
+        return StepBatch(work, rows, depth if rows else 0, tuple(preempted), moves, view,
                          tuple(restores))
+
+    def _choose_depth(self, view: StepView) -> tuple[int, dict[int, str]]:
+        """The policy's depth for `view`, and the requests whose own input made it raise
+        ({request id: message}; they end "error", the others go on). When the policy raises
+        on the whole view, each lane is tried alone; the lanes it raises on are dropped and
+        the rest decided again. It re-raises when no lane alone is to blame (the policy's own
+        fault: the step fails as before), or when every lane is."""
+        try:
+            return self.policy(view), {}
+        except Exception:       # noqa: BLE001 - find whose input it was
+            bad = {}
+            for ln in view.lanes:
+                try:
+                    self.policy(dataclasses.replace(view, lanes=(ln,)))
+                except Exception as e:  # noqa: BLE001 - this request's input
+                    bad[ln.request_id] = (f"the depth policy failed on this request's state: "
+                                          f"{type(e).__name__}: {e}")
+            if not bad or len(bad) == len(view.lanes):
+                raise
+        rest = tuple(ln for ln in view.lanes if ln.request_id not in bad)
+        return self.policy(dataclasses.replace(view, lanes=rest)), bad
 
     def _compact(self) -> tuple[tuple[int, int], ...]:
         """Move the highest busy lanes into the lowest free ones, so that the busy lanes are
@@ -532,7 +563,7 @@ class Scheduler:
         """The device holds the snapshot of `slot` now: publish its prefix-cache entry."""
         self.cache.publish(slot)
 
-    def decode_done(self, lane: int, tokens: list[int], n_accepted: int, k: int,
+    def decode_done(self, lane: int, tokens: list[int], n_accepted: int, depth: int,
                     logprobs: list[TokenLogprob] | None = None) -> None:
         """Record a decode step's tokens for the lane (tokens[:n_accepted + 1] emitted);
         logprobs: one TokenLogprob per emitted token when the request asked for them."""
@@ -542,11 +573,11 @@ class Scheduler:
             ln.pos = len(ln.seq) - 1
             st.first_steps += 1
             if st.depth_steps:
-                st.depth_steps[k] += 1
-        elif k:
+                st.depth_steps[depth] += 1
+        elif depth:
             if st.depth_steps:
-                st.depth_steps[k] += 1
-            real = min(k, ln.drafts)       # slots past the lane's drafts were empty
+                st.depth_steps[depth] += 1
+            real = min(depth, ln.drafts)       # slots past the lane's drafts were empty
             st.verify_steps += 1
             st.drafted_tokens += real
             st.accepted_tokens += n_accepted
@@ -558,7 +589,7 @@ class Scheduler:
                 st.depth_steps[0] += 1
             st.plain_steps += 1
         ln.pos += n_accepted + 1
-        ln.drafts = k
+        ln.drafts = depth
         self._emit(lane, tokens[:n_accepted + 1], logprobs)
 
     def _emit(self, lane: int, toks: list[int], logprobs=None) -> None:
@@ -591,6 +622,16 @@ class Scheduler:
             self.on_token(req.id, new)
         if done:
             self._finish(lane, done, error)
+
+    def fail(self, lane: int, request_id: int, error: str) -> bool:
+        """End request_id, in `lane`, with finish_reason "error" and `error`: its host state
+        raised (its grammar, its penalties' history, its output processing). Its pages return
+        to the pool; the other lanes go on. False when the lane no longer holds it."""
+        ln = self.lanes[lane]
+        if ln is None or ln.req.id != request_id:
+            return False
+        self._finish(lane, FINISH_ERROR, error)
+        return True
 
     def _finish(self, lane: int, reason: str, error: str | None = None) -> None:
         req = self.lanes[lane].req

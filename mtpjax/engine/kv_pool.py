@@ -17,7 +17,7 @@ rows that need a page id outside the pool come out NaN (pallas_kernels.paged_att
 Pages are allocated incrementally as a sequence grows (`reserve(lane, n_tokens)` makes sure
 positions [0, n_tokens) have pages) and all released at once when the lane's request ends or is
 preempted (`free(lane)`). Pages are reference counted for the prefix cache
-(mtpjax/prefix_cache.py): a cache entry `hold`s the pages of a prompt prefix, a request that
+(mtpjax/engine/prefix_cache.py): a cache entry `hold`s the pages of a prompt prefix, a request that
 hits it `share`s them (its table starts with them; it never writes below the prefix), and a
 page returns to the free list when its last holder lets go. Held pages are "frozen": only they
 may appear in several lanes' tables. When the free list is short, `reserve` first asks the

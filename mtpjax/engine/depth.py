@@ -55,7 +55,7 @@ import collections
 import dataclasses
 import statistics
 
-from mtpjax.scheduler import LaneView, RequestStats, StepView
+from mtpjax.engine.scheduler import LaneView, RequestStats, StepView
 
 
 def context_bucket(context: int, smallest: int = 64) -> int:

@@ -8,7 +8,7 @@ is therefore a *boundary* L (a multiple of the page size) with:
   - the pages of positions [0, L): full-attention KV and MTP KV (one page id serves every
     layer), held by reference count in the page pool (kv_pool.PageAllocator.hold);
   - a snapshot slot: every GDN layer's recurrent state and conv tail after position L-1
-    (mtpjax/snapshots.py holds them on the device);
+    (mtpjax/engine/snapshots.py holds them on the device);
   - its key: the tokens [0, L] -- one past the boundary. The MTP KV at position L-1 is made
     from the target's hidden state at L-1 AND the embedding of token L (spec §5.3), so the
     last cached page is right only for requests whose token L matches too. A hit needs the
@@ -53,7 +53,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
-from mtpjax.kv_pool import PageAllocator
+from mtpjax.engine.kv_pool import PageAllocator
 
 
 def block_hashes(tokens, page_size: int) -> list[int]:
