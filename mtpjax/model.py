@@ -472,9 +472,7 @@ def _gdn_mix(cfg: Config, p: GdnParams, proj, c: GdnCache, n_pend, seg: Segment,
     k = jnp.repeat(k, rep, axis=2).astype(jnp.float32)
     q = l2norm(q) * (dk ** -0.5)
     k = l2norm(k)
-    beta = jax.nn.sigmoid(b).astype(jnp.float32)
-    g = -jnp.exp(p.A_log.astype(jnp.float32)) * jax.nn.softplus(
-        a.astype(jnp.float32) + p.dt_bias.astype(jnp.float32))
+    g, beta = pk.gate_values(a, b, p.A_log, p.dt_bias)
 
     live = jnp.arange(T)[None, :] < seg.n_valid[:, None]           # [B, T]
     k = jnp.where(live[..., None, None], k, 0.0)
@@ -490,19 +488,30 @@ def _gdn_mix(cfg: Config, p: GdnParams, proj, c: GdnCache, n_pend, seg: Segment,
     else:
         # The kernel reads and writes the first B slots of the whole state in place; anything
         # else works on the call's slots.
-        o, S = gdn_math.step(c.state if _first_slots(seg.lane0) else cv.state, cv.pend_k, cv.pend_v, cv.pend_g,
-                             cv.pend_beta, n_pend, q, k, v, g, beta, kernels,
-                             live=seg.n_valid > 0)
         # The block's T pending slots and KC-1+T conv rows are written in place, not all P
         # (K + 1) of them: the next step reads only its first n_pend <= T slots and rows
         # [n_pend, n_pend + KC-1), so what lies past T is never read. A depth-0 step of a
         # K-slot engine then writes what the stock step writes.
         at = lambda a, u: lax.dynamic_update_slice(
             a, u.astype(a.dtype), (seg.lane0,) + (0,) * (a.ndim - 1))
-        state = S if S.shape == c.state.shape and _first_slots(seg.lane0) else at(c.state, S)
+        first = _first_slots(seg.lane0)
+        # The Pallas kernel (on the cache's first slots) computes the gates itself and
+        # writes the new pending values in place after its replay read the old ones: on
+        # the H200 that saves the gate kernels and the two copies of pend_v per layer that
+        # XLA made to write it beside the kernel's read (issue 36).
+        fused = kernels != "reference" and first
+        out = gdn_math.step(c.state if first else cv.state, cv.pend_k,
+                            c.pend_v if fused else cv.pend_v, cv.pend_g, cv.pend_beta, n_pend,
+                            q, k, v, None if fused else g, None if fused else beta, kernels,
+                            live=seg.n_valid > 0,
+                            gates=(proj, p.A_log, p.dt_bias) if fused else None,
+                            gate_offset=cd + nv * dv, write_pend_v=fused)
+        o, S = out[:2]
+        state = S if S.shape == c.state.shape and first else at(c.state, S)
         y = gated_rmsnorm(o.astype(proj.dtype), z, p.norm, cfg.rms_norm_eps)
         return y.reshape(B, T, nv * dv), GdnCache(
-            conv=at(c.conv, xs), state=state, pend_k=at(c.pend_k, k), pend_v=at(c.pend_v, v),
+            conv=at(c.conv, xs), state=state, pend_k=at(c.pend_k, k),
+            pend_v=out[2] if fused else at(c.pend_v, v),
             pend_g=at(c.pend_g, g), pend_beta=at(c.pend_beta, beta))
 
     y = gated_rmsnorm(o.astype(proj.dtype), z, p.norm, cfg.rms_norm_eps)

@@ -9,6 +9,7 @@ from pallas_kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
 from pallas_kernels.gated_delta import (
     chunk_gated_delta,
     chunk_gated_delta_reference,
+    gate_values,
     gated_delta_verify,
     gated_delta_verify_reference,
     recurrent_gated_delta_reference,
@@ -43,6 +44,7 @@ __all__ = [
     "chunk_gated_delta_reference",
     "fp8_matmul",
     "fp8_matmul_reference",
+    "gate_values",
     "gated_delta_verify",
     "gated_delta_verify_reference",
     "get_fp8_matmul_tuning",

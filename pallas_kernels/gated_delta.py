@@ -310,13 +310,40 @@ def _verify_kernel(
     q_ref,  # [T, DK]           new queries
     k_ref,  # [T, DK]
     v_ref,  # [T, bv]
-    g_ref,  # f32[T]
-    b_ref,  # f32[T]
-    o_ref,  # [T, bv]           outputs of the new tokens
-    s_out_ref,  # f32[DK, bv]   committed state S_c (aliases s_in)
-    *,
+    g_ref,  # f32[T]            (gated: [T, C] the rows of the tensor holding b and a)
+    b_ref,  # f32[T]            (gated: the same [T, C] block, unused)
+    *rest,  # gated: A_log f32[1], dt_bias f32[1] of this head; then the outputs:
+    # o_ref [T, bv] outputs of the new tokens; s_out_ref f32[DK, bv] committed state S_c
+    # (aliases s_in); with write_pend_v, pv_out_ref [P, bv] (aliases pv_ref): rows [0, T)
+    # take this block's values once the replay has read the old ones
     n_new: int,
+    gated: bool = False,
+    gate_offset: int = 0,
+    n_heads: int = 0,
+    write_pend_v: bool = False,
 ):
+  head = pl.program_id(1)   # (read here: the interpreter has no program_id under pl.when)
+  if gated:
+    alog_ref, dtb_ref, *rest = rest
+  o_ref, s_out_ref, *rest = rest
+  pv_out_ref = rest[0] if write_pend_v else None
+
+  def gates(t):
+    """(g_t, beta_t) of new token t: read, or (gated) computed as the model does."""
+    if not gated:
+      return g_ref[t], b_ref[t]
+    b_raw = g_ref[t, gate_offset + head]
+    a = g_ref[t, gate_offset + n_heads + head].astype(jnp.float32) + dtb_ref[0].astype(jnp.float32)
+    softplus = jnp.maximum(a, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(a)))
+    # sigmoid in f32, rounded once to b's dtype (gate_values)
+    beta = (1.0 / (1.0 + jnp.exp(-b_raw.astype(jnp.float32)))).astype(g_ref.dtype)
+    return -jnp.exp(alog_ref[0].astype(jnp.float32)) * softplus, beta.astype(jnp.float32)
+
+  def write_pending():
+    if write_pend_v:
+      for t in range(n_new):
+        pv_out_ref[t, :] = v_ref[t, :].astype(pv_out_ref.dtype)
+
   def step(s, k_t, v_t, g_t, b_t):
     s = jnp.exp(g_t) * s
     pred = jnp.sum(s * k_t[:, None], axis=0)  # [bv] = S.T @ k
@@ -328,8 +355,8 @@ def _verify_kernel(
                 pg_ref[p], pb_ref[p])
 
   def new_token(t, s):
-    s = step(s, k_ref[t, :].astype(jnp.float32), v_ref[t, :].astype(jnp.float32),
-             g_ref[t], b_ref[t])
+    g_t, b_t = gates(t)
+    s = step(s, k_ref[t, :].astype(jnp.float32), v_ref[t, :].astype(jnp.float32), g_t, b_t)
     o = jnp.sum(s * q_ref[t, :].astype(jnp.float32)[:, None], axis=0)  # S.T @ q
     o_ref[t, :] = o.astype(o_ref.dtype)
     return s
@@ -341,6 +368,7 @@ def _verify_kernel(
   def _idle():
     for t in range(n_new):
       o_ref[t, :] = jnp.zeros(o_ref.shape[1:], o_ref.dtype)
+    write_pending()
 
   @pl.when(live_ref[0] != 0)
   def _run():
@@ -348,10 +376,12 @@ def _verify_kernel(
     # Only the first n_pend slots are read; slots beyond may hold anything.
     s = lax.fori_loop(0, n_pend_ref[0], replay, s)
     s_out_ref[...] = s
+    write_pending()       # after the replay: the new block replaces the pending values
     lax.fori_loop(0, n_new, new_token, s)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
+@functools.partial(jax.jit, static_argnames=("interpret", "tuning", "write_pend_v",
+                                             "gate_offset"))
 def gated_delta_verify(
     state: jax.Array,
     pend_k: jax.Array,
@@ -362,13 +392,16 @@ def gated_delta_verify(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
+    g: jax.Array | None,
+    beta: jax.Array | None,
     *,
     live: jax.Array | None = None,
+    gates: tuple | None = None,
+    gate_offset: int = 0,
+    write_pend_v: bool = False,
     interpret: bool = False,
     tuning: GatedDeltaTuning | None = None,
-) -> tuple[jax.Array, jax.Array]:
+):
   """Speculative verify (or decode, T = 1) step with pending-token replay.
 
   Args:
@@ -376,8 +409,9 @@ def gated_delta_verify(
       the previous block; lane b of the call is slot b, slots >= B are neither
       read nor written (an engine step over a lane bucket passes its whole
       cache). Aliased to ``new_state``: donate it to update it in place.
-    pend_k: [B, P, H, DK], pend_v: [B, P, H, DV], pend_g, pend_beta:
-      f32[B, P, H] -- the previous block's inputs (P >= 1).
+    pend_k: [B, P, H, DK], pend_v: [B, P, H, DV] ([S >= B, P, H, DV] with
+      write_pend_v), pend_g, pend_beta: f32[B, P, H] -- the previous block's
+      inputs (P >= 1).
     n_pend: i32[B] in [0, P]: how many pending tokens to commit (accepted
       drafts of the previous round + 1; 0 when nothing is pending, e.g.
       right after prefill). Slots >= n_pend are never read.
@@ -386,19 +420,40 @@ def gated_delta_verify(
     live: bool or i32 [B], optional: lanes that run this step. An idle lane's
       state slot is neither read nor written and its outputs are zeros (its
       tokens must be padding: the reference gives the same state). None: all run.
+    gates: optional (ab [B, T, C], A_log [H], dt_bias [H]): the raw gate
+      inputs b = ab[..., o:o + H] and a = ab[..., o + H:o + 2H] for o =
+      gate_offset (static), e.g. the GDN in-projection's output as it is, so no
+      slice of it is materialised: the kernel computes g = -exp(A_log)
+      softplus(a + dt_bias) and beta = sigmoid(b) per new token itself
+      (gate_values; pass g = beta = None). No mask: rows past a lane's valid
+      tokens are padding whose outputs are unspecified.
+    write_pend_v: also return pend_v with rows [0, T) of lanes < B replaced by
+      v (the next pending values), written by the kernel after its replay has
+      read the old ones; pend_v is aliased to that output (donate it).
     interpret: run the Pallas interpreter.
     tuning: ``GatedDeltaTuning``; ``None`` looks up ``tuned_block_sizes``.
 
   Returns:
     (o [B, T, H, DV] in v.dtype, new_state f32[S, H, DK, DV]) where
     new_state is the state after the n_pend committed pending tokens
-    (*not* after the new tokens); slots >= B keep their input values.
+    (*not* after the new tokens); slots >= B keep their input values. With
+    write_pend_v, the new pend_v is a third result.
   """
+  b, t, h, dk = q.shape
+  gated = gates is not None
+  if gated:
+    if g is not None or beta is not None:
+      raise ValueError("pass g = beta = None with gates (the kernel computes them)")
+    ab, a_log, dt_bias = _validate_gates(gates, q, gate_offset)
+    g = beta = jnp.zeros(q.shape[:3], jnp.float32)      # for the checks only (unused)
   _validate_tokens("", q, k, v, g, beta)
   _validate_state(state, q, v, slots=True)
-  b, t, h, dk = q.shape
   dv = v.shape[-1]
-  _validate_tokens("pending ", pend_k, pend_k, pend_v, pend_g, pend_beta, b=b, h=h)
+  pend_b = pend_v.shape[0] if write_pend_v else b
+  _validate_tokens("pending ", pend_k, pend_k, pend_v[:b] if write_pend_v else pend_v,
+                   pend_g, pend_beta, b=b, h=h)
+  if pend_b < b:
+    raise ValueError(f"pend_v has {pend_b} lane slots, the call runs {b}")
   p = pend_k.shape[1]
   if pend_k.shape[-1] != dk or pend_v.shape[-1] != dv:
     raise ValueError(
@@ -406,6 +461,8 @@ def gated_delta_verify(
         f"DK={dk}/DV={dv}")
   if t < 1 or p < 1:
     raise ValueError(f"T and P must be >= 1, got T={t}, P={p}")
+  if write_pend_v and t > p:
+    raise ValueError(f"write_pend_v needs T <= P, got T={t}, P={p}")
   if n_pend.shape != (b,) or n_pend.dtype != jnp.int32:
     raise ValueError(f"n_pend must be int32[B={b}], got {n_pend.dtype}{list(n_pend.shape)}")
   _validate_triton_dims(dk, dv, interpret)
@@ -419,7 +476,8 @@ def gated_delta_verify(
     raise ValueError(f"live must be [B={b}], got {live.shape}")
   live = live.astype(jnp.int32)
 
-  kernel = functools.partial(_verify_kernel, n_new=t)
+  kernel = functools.partial(_verify_kernel, n_new=t, gated=gated, gate_offset=gate_offset,
+                             n_heads=h, write_pend_v=write_pend_v)
   grid = (b, h, dv // bv)
 
   def tok_spec(n, d, col):
@@ -430,30 +488,77 @@ def gated_delta_verify(
   def scal_spec(n):
     return pl.BlockSpec((None, n, None), lambda i, j, c: (i, 0, j))
 
+  head_spec = pl.BlockSpec((1,), lambda i, j, c: (j,))
   state_spec = pl.BlockSpec((None, None, dk, bv), lambda i, j, c: (i, j, 0, c))
-  o, new_state = pl.pallas_call(
+  in_specs = [
+      pl.BlockSpec((1,), lambda i, j, c: (i,)),  # n_pend
+      pl.BlockSpec((1,), lambda i, j, c: (i,)),  # live
+      state_spec,
+      tok_spec(p, dk, False), tok_spec(p, bv, True), scal_spec(p), scal_spec(p),
+      tok_spec(t, dk, False), tok_spec(t, dk, False), tok_spec(t, bv, True),
+      scal_spec(t), scal_spec(t),
+  ]
+  args = [n_pend, live, state, pend_k, pend_v, pend_g, pend_beta, q, k, v, g, beta]
+  if gated:
+    ab_spec = pl.BlockSpec((None, t, ab.shape[-1]), lambda i, j, c: (i, 0, 0))
+    in_specs[-2:] = [ab_spec, ab_spec]
+    args[-2:] = [ab, ab]
+    in_specs += [head_spec, head_spec]
+    args += [a_log, dt_bias]
+  out_specs = [tok_spec(t, bv, True), state_spec]
+  out_shape = [jax.ShapeDtypeStruct((b, t, h, dv), v.dtype),
+               jax.ShapeDtypeStruct(state.shape, jnp.float32)]
+  aliases = {2: 1}
+  if write_pend_v:
+    out_specs.append(tok_spec(p, bv, True))
+    out_shape.append(jax.ShapeDtypeStruct(pend_v.shape, pend_v.dtype))
+    aliases[4] = 2
+  name = f"gated_delta_verify{'_gated' if gated else ''}{'_pv' if write_pend_v else ''}"
+  return tuple(pl.pallas_call(
       kernel,
       grid=grid,
-      in_specs=[
-          pl.BlockSpec((1,), lambda i, j, c: (i,)),  # n_pend
-          pl.BlockSpec((1,), lambda i, j, c: (i,)),  # live
-          state_spec,
-          tok_spec(p, dk, False), tok_spec(p, bv, True), scal_spec(p), scal_spec(p),
-          tok_spec(t, dk, False), tok_spec(t, dk, False), tok_spec(t, bv, True),
-          scal_spec(t), scal_spec(t),
-      ],
-      out_specs=[tok_spec(t, bv, True), state_spec],
-      out_shape=[
-          jax.ShapeDtypeStruct((b, t, h, dv), v.dtype),
-          jax.ShapeDtypeStruct(state.shape, jnp.float32),
-      ],
-      input_output_aliases={2: 1},
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      input_output_aliases=aliases,
       compiler_params=pltr.CompilerParams(num_warps=tuning.num_warps,
                                           num_stages=tuning.num_stages),
       interpret=interpret,
-      name=f"gated_delta_verify_{tuning.name}",
-  )(n_pend, live, state, pend_k, pend_v, pend_g, pend_beta, q, k, v, g, beta)
-  return o, new_state
+      name=f"{name}_{tuning.name}",
+  )(*args))
+
+
+def _validate_gates(gates, q, offset: int):
+  """gates = (ab, A_log, dt_bias), checked; any float dtypes (the kernel reads them as f32,
+  so the caller's buffers go in as they are)."""
+  if len(gates) != 3:
+    raise ValueError("gates must be (ab, A_log, dt_bias)")
+  ab, a_log, dt_bias = gates
+  bt, h = q.shape[:2], q.shape[2]
+  if ab.ndim != 3 or ab.shape[:2] != bt or not 0 <= offset <= ab.shape[-1] - 2 * h:
+    raise ValueError(f"gates ab must be [B, T, C]={bt} + [C] holding b and a in columns "
+                     f"[{offset}, {offset} + 2H={offset + 2 * h}), got {ab.shape}")
+  if a_log.shape != (h,) or dt_bias.shape != (h,):
+    raise ValueError(f"A_log and dt_bias must be [H]=({h},), got {a_log.shape} and "
+                     f"{dt_bias.shape}")
+  return ab, a_log, dt_bias
+
+
+def _gate_inputs(gates, q, offset: int):
+  """(a, b, A_log, dt_bias) of gates = (ab, A_log, dt_bias) (see gated_delta_verify)."""
+  ab, a_log, dt_bias = _validate_gates(gates, q, offset)
+  h = q.shape[2]
+  return ab[..., offset + h:offset + 2 * h], ab[..., offset:offset + h], a_log, dt_bias
+
+
+def gate_values(a, b, a_log, dt_bias):
+  """(g, beta) f32 [B, T, H] from the raw gate inputs (spec §3.6): what the model computes and
+  what gated_delta_verify(gates=...) computes inside the kernel."""
+  f32 = jnp.float32
+  g = -jnp.exp(a_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + dt_bias.astype(f32))
+  # sigmoid in f32, rounded once to b's dtype (torch's b.sigmoid() on a bf16 b; XLA's bf16
+  # logistic can land one ulp away from it, and the kernel computes it this way)
+  return g, jax.nn.sigmoid(b.astype(f32)).astype(b.dtype).astype(f32)
 
 
 # ---------------------------------------------------------------------------
@@ -559,9 +664,11 @@ def chunk_gated_delta_reference(q, k, v, g, beta, state, *, chunk_size=64):
   return o[:, :t].astype(v.dtype), s
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
+@functools.partial(jax.jit, static_argnames=("interpret", "tuning", "write_pend_v",
+                                             "gate_offset"))
 def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pend,
-                                 q, k, v, g, beta, *, live=None, interpret=False, tuning=None):
+                                 q, k, v, g, beta, *, live=None, gates=None, gate_offset=0,
+                                 write_pend_v=False, interpret=False, tuning=None):
   """jnp version of :func:`gated_delta_verify` (same signature and returns).
 
   Replays the pending slots with a masked loop (slots >= n_pend are selected
@@ -571,6 +678,13 @@ def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pen
   so a shallow step costs what it would on an engine with fewer slots.
   """
   del interpret, tuning
+  full_pend_v = pend_v
+  if gates is not None:
+    if g is not None or beta is not None:
+      raise ValueError("pass g = beta = None with gates (the kernel computes them)")
+    g, beta = gate_values(*_gate_inputs(gates, q, gate_offset))
+  if write_pend_v:
+    pend_v = pend_v[:q.shape[0]]
   _validate_tokens("", q, k, v, g, beta)
   _validate_state(state, q, v, slots=True)
   slots, b = state, q.shape[0]
@@ -590,4 +704,7 @@ def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pen
   o, _ = recurrent_gated_delta_reference(q, k, v, g, beta, s_c)
   if live is not None:
     o = jnp.where(live.astype(bool)[:, None, None, None], o, 0)
+  if write_pend_v:
+    return o, slots.at[:b].set(s_c), full_pend_v.at[:b, :q.shape[1]].set(
+        v.astype(full_pend_v.dtype))
   return o, slots.at[:b].set(s_c)

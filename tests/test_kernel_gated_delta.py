@@ -30,6 +30,7 @@ from pallas_kernels import (
     gated_delta_verify_reference,
     recurrent_gated_delta_reference,
 )
+from pallas_kernels.gated_delta import gate_values
 
 F32_TOL = 1e-5
 BF16_TOL = 2e-2
@@ -254,6 +255,66 @@ class TestGatedDelta:
       np.testing.assert_allclose(s[i], s_ref[i], atol=F32_TOL, rtol=F32_TOL)
 
 
+  @pytest.mark.parametrize("t,p", [(3, 3), (1, 4), (2, 5)], ids=["k2", "decode", "ragged"])
+  def test_verify_gates_and_pending_values_inside_the_kernel(self, t, p):
+    """gates=(a, b, A_log, dt_bias): the kernel computes g and beta as the model does
+    (gate_values), and write_pend_v=True stores the new block's v as the next pending values
+    after the replay read the old ones, in place. Checked against the plain call on
+    gate_values and against the reference with the same options; bf16 gate inputs as in
+    the model; pending slots >= n_pend, the pend_v rows past T and the lane slots past the
+    bucket hold NaN (never read; past-T rows and slots past B must come back as they were).
+    """
+    rng = np.random.default_rng(31 + t)
+    b, slots, h, dk, dv = 3, 4, 2, 16, 32
+    n_pend = np.asarray([0, min(1, p), p], np.int32)
+    pk, pv, pg, pb = make_tokens(rng, b, p, h, dk, dv)[1:]
+    for i in range(b):
+      for x in (pk, pv, pg, pb):
+        x[i, n_pend[i]:] = np.nan
+    pv_all = np.full((slots, p, h, dv), np.nan, np.float32)
+    pv_all[:b] = pv
+    q, k, v, _, _ = make_tokens(rng, b, t, h, dk, dv)
+    bf = jnp.bfloat16
+    a = jnp.asarray(rng.standard_normal((b, t, h)), bf)
+    braw = jnp.asarray(rng.standard_normal((b, t, h)), bf)
+    a_log = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    dt_bias = jnp.asarray(rng.standard_normal(h), bf)
+    g, beta = gate_values(a, braw, a_log, dt_bias)
+    s0 = jnp.asarray(make_state(rng, b, h, dk, dv))
+    pend = tuple(map(jnp.asarray, (pk, pv, pg, pb)))
+    new = tuple(map(jnp.asarray, (q, k, v)))
+    o_want, s_want = gated_delta_verify(s0, *pend, jnp.asarray(n_pend), *new, g, beta,
+                                        interpret=self.INTERPRET,
+                                        tuning=GatedDeltaTuning(block_v=16))
+    off = 3                   # b and a inside a wider tensor, as in the model's projection
+    ab = jnp.concatenate([jnp.asarray(rng.standard_normal((b, t, off)), bf), braw, a,
+                          jnp.full((b, t, 2), jnp.nan, bf)], axis=-1)
+    kw = dict(gates=(ab, a_log, dt_bias), gate_offset=off, write_pend_v=True)
+    for fn in (functools.partial(gated_delta_verify, interpret=self.INTERPRET,
+                                 tuning=GatedDeltaTuning(block_v=16)),
+               gated_delta_verify_reference):
+      o, s, pv_new = fn(s0, pend[0], jnp.asarray(pv_all), *pend[2:], jnp.asarray(n_pend),
+                        *new, None, None, **kw)
+      assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
+      np.testing.assert_allclose(o, o_want, atol=F32_TOL, rtol=F32_TOL)
+      np.testing.assert_allclose(s, s_want, atol=F32_TOL, rtol=F32_TOL)
+      pv_new = np.asarray(pv_new)
+      np.testing.assert_array_equal(pv_new[:b, :t], v)
+      np.testing.assert_array_equal(pv_new[:b, t:], pv_all[:b, t:])   # NaN where it was
+      assert np.isnan(pv_new[b:]).all()
+
+  def test_verify_gates_reject_g_and_beta(self):
+    a = jnp.zeros((1, 1, 4), jnp.float32)
+    args = _verify_args(b=1, p=1, t=1)
+    with pytest.raises(ValueError, match="g = beta = None"):
+      gated_delta_verify(**args, gates=(a, jnp.zeros(2), jnp.zeros(2)),
+                         interpret=self.INTERPRET)
+    args.update(g=None, beta=None)
+    with pytest.raises(ValueError, match="holding b and a"):
+      gated_delta_verify(**args, gates=(a, jnp.zeros(2), jnp.zeros(2)), gate_offset=1,
+                         interpret=self.INTERPRET)
+
+
 if jax.default_backend() == "gpu":
 
   class TestGatedDeltaCompiled(TestGatedDelta):
@@ -400,6 +461,28 @@ def test_verify_lowers_for_cuda_at_27b_shapes(b, t):
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "__gpu$xla.gpu.triton" in text and "gated_delta_verify_" in text
   assert "tf.aliasing_output" in text  # the state buffer is updated in place
+
+
+@pytest.mark.parametrize("b,t", [(1, 1), (1, 5), (8, 3)], ids=["decode", "verify-k4", "verify-k2"])
+def test_fused_verify_lowers_for_cuda_at_27b_shapes(b, t):
+  """gates inside and the pending values written by the kernel, at the 27B's widths: state
+  and pend_v both updated in place (two aliased outputs), a lane bucket of a larger cache."""
+  bf, f32 = jnp.bfloat16, jnp.float32
+  p, slots = 5, max(b, 2)
+  args = (_sds((slots, H, DK, DV), f32), _sds((b, p, H, DK), f32), _sds((slots, p, H, DV), f32),
+          _sds((b, p, H), f32), _sds((b, p, H), f32), _sds((b,), jnp.int32),
+          _sds((b, t, H, DK), bf), _sds((b, t, H, DK), bf), _sds((b, t, H, DV), bf))
+  proj = 2 * 16 * DK + H * DV + 2 * H       # the 27B's GDN in-projection: [qkv | z | b | a]
+  gates = (_sds((b, t, proj), bf), _sds((H,), f32), _sds((H,), bf))
+
+  def fn(state, pk, pv, pg, pb, n, q, k, v, gates):
+    return gated_delta_verify(state, pk, pv, pg, pb, n, q, k, v, None, None, gates=gates,
+                              gate_offset=proj - 2 * H, write_pend_v=True)
+
+  text = jax.jit(fn, donate_argnums=(0, 2)).trace(*args, gates).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in text and "gated_delta_verify_gated_pv_" in text
+  assert text.count("tf.aliasing_output") == 2, "state and pend_v in place"
 
 
 def test_compiled_block_v_below_16_is_rejected():
