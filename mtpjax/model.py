@@ -561,12 +561,25 @@ def _uncat(y, shapes: list):
     return out
 
 
-def _layer(cfg: Config, kind: str, p, h, c, groups, n_pends, ropes, kernels: str):
-    """One decoder layer over every group's tokens: h is _cat form [N, H] (or [B, T, H] for
-    one group). Returns (h, this layer's cache)."""
+def add_norm(h, d, w, eps, kernels: str):
+    """(h + d, rmsnorm_1p(h + d, w)); d None: (h, rmsnorm_1p(h, w)). The Pallas kernels make it
+    one kernel with both outputs (pallas_kernels/rmsnorm.py: XLA made three on the H200);
+    the reference path runs the model's own ops."""
+    if kernels == "reference":
+        if d is not None:
+            h = h + d
+        return h, rmsnorm_1p(h, w, eps)
+    return pk.add_rmsnorm(h, d, w, eps=eps, interpret=kernels == "interpret")
+
+
+def _layer(cfg: Config, kind: str, p, h, d, c, groups, n_pends, ropes, kernels: str):
+    """One decoder layer over every group's tokens: h + d is its input (d: the previous
+    layer's MLP output, not yet added, so the add rides with this layer's input norm; None
+    for the first layer), in _cat form [N, H] (or [B, T, H] for one group). Returns
+    (h, the MLP output to add to it, this layer's cache)."""
     eps = cfg.rms_norm_eps
     shapes = [g.tokens.shape for g in groups]
-    x = rmsnorm_1p(h, p.input_layernorm, eps)
+    h, x = add_norm(h, d, p.input_layernorm, eps, kernels)
     if kind == FULL:
         parts = []
         for g, qkv, (cos, sin) in zip(groups, _uncat(dense(x, p.attn.qkv), shapes), ropes):
@@ -584,9 +597,8 @@ def _layer(cfg: Config, kind: str, p, h, c, groups, n_pends, ropes, kernels: str
             y, c = _gdn_mix(cfg, p.gdn, proj, c, n_pend, g.seg, g.mode, kernels)
             parts.append(y)
         mix = row_parallel(cfg, _cat(parts), p.gdn.out_proj)
-    h = h + mix
-    h = h + mlp_block(cfg, p.mlp, rmsnorm_1p(h, p.post_attention_layernorm, eps))
-    return h, c
+    h, x = add_norm(h, mix, p.post_attention_layernorm, eps, kernels)
+    return h, mlp_block(cfg, p.mlp, x), c
 
 
 def forward(cfg: Config, params: Params, cache: Cache, tokens, seg: Segment, mode: str,
@@ -619,10 +631,11 @@ def forward_groups(cfg: Config, params: Params, cache: Cache, groups, kernels: s
              for g in groups]
     n_pends = [take_slots(cache.n_pend, g.seg.lane0, g.tokens.shape[0]) for g in groups]
     layers = []
+    d = None
     for kind, p, c in zip(cfg.layer_types, params.layers, cache.layers):
-        h, c = _layer(cfg, kind, p, h, c, groups, n_pends, ropes, kernels)
+        h, d, c = _layer(cfg, kind, p, h, d, c, groups, n_pends, ropes, kernels)
         layers.append(c)
-    h = rmsnorm_1p(h, params.final_norm, cfg.rms_norm_eps)
+    _, h = add_norm(h, d, params.final_norm, cfg.rms_norm_eps, kernels)
     n_pend = cache.n_pend
     for g in groups:
         new = jnp.zeros_like(g.seg.n_valid) if g.mode == "chunk" else g.seg.n_valid

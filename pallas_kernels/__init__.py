@@ -21,6 +21,7 @@ from pallas_kernels.paged_attention import (
     write_kv,
     write_kv_reference,
 )
+from pallas_kernels.rmsnorm import add_rmsnorm, add_rmsnorm_reference
 from pallas_kernels.tuned_block_sizes import (
     FP8_MATMUL_TABLE,
     GATED_DELTA_TABLE,
@@ -34,6 +35,8 @@ from pallas_kernels.tuned_block_sizes import (
 )
 
 __all__ = [
+    "add_rmsnorm",
+    "add_rmsnorm_reference",
     "FP8_MATMUL_TABLE",
     "GATED_DELTA_TABLE",
     "PAGED_ATTENTION_TABLE",
