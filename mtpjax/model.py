@@ -495,23 +495,27 @@ def _gdn_mix(cfg: Config, p: GdnParams, proj, c: GdnCache, n_pend, seg: Segment,
         at = lambda a, u: lax.dynamic_update_slice(
             a, u.astype(a.dtype), (seg.lane0,) + (0,) * (a.ndim - 1))
         first = _first_slots(seg.lane0)
-        # The Pallas kernel (on the cache's first slots) computes the gates itself and
-        # writes the new pending values in place after its replay read the old ones: on
-        # the H200 that saves the gate kernels and the two copies of pend_v per layer that
-        # XLA made to write it beside the kernel's read (issue 36).
-        fused = kernels != "reference" and first
-        out = gdn_math.step(c.state if first else cv.state, cv.pend_k,
-                            c.pend_v if fused else cv.pend_v, cv.pend_g, cv.pend_beta, n_pend,
-                            q, k, v, None if fused else g, None if fused else beta, kernels,
-                            live=seg.n_valid > 0,
-                            gates=(proj, p.A_log, p.dt_bias) if fused else None,
-                            gate_offset=cd + nv * dv, write_pend_v=fused)
-        o, S = out[:2]
+        # The Pallas kernel (on the cache's first slots, one program per head) computes
+        # the gates itself, writes the new pending buffers in place after its replay read
+        # the old ones and applies the output norm: on the H200 that saves the gate
+        # kernels, the pending writes (and the two copies of pend_v per layer XLA made to
+        # write it beside the kernel's read) and the norm kernel (issue 36).
+        if kernels != "reference" and first:
+            y, S, pk_, pv_, pg_, pb_ = gdn_math.step(
+                c.state, c.pend_k, c.pend_v, c.pend_g, c.pend_beta, n_pend, q, k, v, None,
+                None, kernels, live=seg.n_valid > 0, gates=(proj, p.A_log, p.dt_bias),
+                gate_offset=cd + nv * dv, write_pending=True, norm_weight=p.norm,
+                norm_offset=cd, norm_eps=cfg.rms_norm_eps)
+            return y.reshape(B, T, nv * dv), GdnCache(
+                conv=at(c.conv, xs), state=S, pend_k=pk_, pend_v=pv_, pend_g=pg_,
+                pend_beta=pb_)
+        o, S = gdn_math.step(c.state if first else cv.state, cv.pend_k, cv.pend_v, cv.pend_g,
+                             cv.pend_beta, n_pend, q, k, v, g, beta, kernels,
+                             live=seg.n_valid > 0)
         state = S if S.shape == c.state.shape and first else at(c.state, S)
         y = gated_rmsnorm(o.astype(proj.dtype), z, p.norm, cfg.rms_norm_eps)
         return y.reshape(B, T, nv * dv), GdnCache(
-            conv=at(c.conv, xs), state=state, pend_k=at(c.pend_k, k),
-            pend_v=out[2] if fused else at(c.pend_v, v),
+            conv=at(c.conv, xs), state=state, pend_k=at(c.pend_k, k), pend_v=at(c.pend_v, v),
             pend_g=at(c.pend_g, g), pend_beta=at(c.pend_beta, beta))
 
     y = gated_rmsnorm(o.astype(proj.dtype), z, p.norm, cfg.rms_norm_eps)

@@ -312,21 +312,31 @@ def _verify_kernel(
     v_ref,  # [T, bv]
     g_ref,  # f32[T]            (gated: [T, C] the rows of the tensor holding b and a)
     b_ref,  # f32[T]            (gated: the same [T, C] block, unused)
-    *rest,  # gated: A_log f32[1], dt_bias f32[1] of this head; then the outputs:
-    # o_ref [T, bv] outputs of the new tokens; s_out_ref f32[DK, bv] committed state S_c
-    # (aliases s_in); with write_pend_v, pv_out_ref [P, bv] (aliases pv_ref): rows [0, T)
-    # take this block's values once the replay has read the old ones
+    *rest,  # gated: A_log f32[1], dt_bias f32[1] of this head; norm: w [DV]; then the
+    # outputs: o_ref [T, bv] outputs of the new tokens (norm: the gated-normed outputs);
+    # s_out_ref f32[DK, bv] committed state S_c (aliases s_in); with write_pend_v,
+    # pv_out_ref [P, bv] (aliases pv_ref); with write_pending (bv = DV: one program per
+    # head), pk_out, pv_out, pg_out, pb_out (alias the pending inputs): rows [0, T) take
+    # this block's values once the replay has read the old ones
     n_new: int,
     gated: bool = False,
     gate_offset: int = 0,
     n_heads: int = 0,
     write_pend_v: bool = False,
+    write_pending: bool = False,
+    norm_offset: int = -1,
+    norm_eps: float = 0.0,
 ):
   head = pl.program_id(1)   # (read here: the interpreter has no program_id under pl.when)
+  norm = norm_offset >= 0
   if gated:
     alog_ref, dtb_ref, *rest = rest
+  if norm:
+    nw_ref, *rest = rest
   o_ref, s_out_ref, *rest = rest
   pv_out_ref = rest[0] if write_pend_v else None
+  if write_pending:
+    pk_out_ref, pv_out_ref, pg_out_ref, pb_out_ref = rest
 
   def gates(t):
     """(g_t, beta_t) of new token t: read, or (gated) computed as the model does."""
@@ -339,10 +349,30 @@ def _verify_kernel(
     beta = (1.0 / (1.0 + jnp.exp(-b_raw.astype(jnp.float32)))).astype(g_ref.dtype)
     return -jnp.exp(alog_ref[0].astype(jnp.float32)) * softplus, beta.astype(jnp.float32)
 
-  def write_pending():
-    if write_pend_v:
+  def store_pending():
+    if write_pend_v or write_pending:
       for t in range(n_new):
         pv_out_ref[t, :] = v_ref[t, :].astype(pv_out_ref.dtype)
+    if write_pending:
+      for t in range(n_new):
+        pk_out_ref[t, :] = k_ref[t, :].astype(pk_out_ref.dtype)
+        g_t, b_t = gates(t)
+        pg_out_ref[t] = g_t.astype(pg_out_ref.dtype)
+        pb_out_ref[t] = b_t.astype(pb_out_ref.dtype)
+
+  def output(t, o):
+    """o_t [DV] f32 -> what the kernel stores: o itself, or (norm) the GDN output norm of
+    mtpjax.model.gated_rmsnorm on o rounded to z's dtype: rmsnorm (plain weight), then the
+    SiLU(z) gate, z read from the in-projection rows at norm_offset + head * DV."""
+    if not norm:
+      return o.astype(o_ref.dtype)
+    dt = o_ref.dtype
+    x = o.astype(dt).astype(jnp.float32)
+    y = (x * lax.rsqrt(jnp.mean(x * x) + norm_eps)).astype(dt)
+    y = (nw_ref[...].astype(dt) * y).astype(jnp.float32)
+    dv = o.shape[0]
+    z = g_ref[t, pl.ds(norm_offset + head * dv, dv)].astype(jnp.float32)
+    return (y * (z / (1.0 + jnp.exp(-z)))).astype(dt)
 
   def step(s, k_t, v_t, g_t, b_t):
     s = jnp.exp(g_t) * s
@@ -358,7 +388,7 @@ def _verify_kernel(
     g_t, b_t = gates(t)
     s = step(s, k_ref[t, :].astype(jnp.float32), v_ref[t, :].astype(jnp.float32), g_t, b_t)
     o = jnp.sum(s * q_ref[t, :].astype(jnp.float32)[:, None], axis=0)  # S.T @ q
-    o_ref[t, :] = o.astype(o_ref.dtype)
+    o_ref[t, :] = output(t, o)
     return s
 
   # An idle lane's state is neither read nor written (it stays in place: s_out aliases
@@ -368,7 +398,7 @@ def _verify_kernel(
   def _idle():
     for t in range(n_new):
       o_ref[t, :] = jnp.zeros(o_ref.shape[1:], o_ref.dtype)
-    write_pending()
+    store_pending()
 
   @pl.when(live_ref[0] != 0)
   def _run():
@@ -376,12 +406,13 @@ def _verify_kernel(
     # Only the first n_pend slots are read; slots beyond may hold anything.
     s = lax.fori_loop(0, n_pend_ref[0], replay, s)
     s_out_ref[...] = s
-    write_pending()       # after the replay: the new block replaces the pending values
+    store_pending()       # after the replay: the new block replaces the pending values
     lax.fori_loop(0, n_new, new_token, s)
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tuning", "write_pend_v",
-                                             "gate_offset"))
+                                             "gate_offset", "write_pending", "norm_offset",
+                                             "norm_eps"))
 def gated_delta_verify(
     state: jax.Array,
     pend_k: jax.Array,
@@ -399,6 +430,10 @@ def gated_delta_verify(
     gates: tuple | None = None,
     gate_offset: int = 0,
     write_pend_v: bool = False,
+    write_pending: bool = False,
+    norm_weight: jax.Array | None = None,
+    norm_offset: int = -1,
+    norm_eps: float = 1e-6,
     interpret: bool = False,
     tuning: GatedDeltaTuning | None = None,
 ):
@@ -430,6 +465,17 @@ def gated_delta_verify(
     write_pend_v: also return pend_v with rows [0, T) of lanes < B replaced by
       v (the next pending values), written by the kernel after its replay has
       read the old ones; pend_v is aliased to that output (donate it).
+    write_pending: like write_pend_v for all four pending buffers (each may
+      have lane slots >= B): rows [0, T) of lanes < B take k, v and the block's
+      g and beta (with gates: as computed, no mask; rows past a lane's valid
+      tokens are never replayed, n_pend <= n_valid). One program per head
+      (block_v = DV, the "verify_head" tuning): the replay's reads of pend_k,
+      pend_g and pend_beta are then the program's own.
+    norm_weight: [DV], with gates: the outputs come back through the GDN
+      output norm (mtpjax.model.gated_rmsnorm) instead: o rounded to ab's
+      dtype, RMSNorm over DV with this weight and norm_eps, times SiLU(z) for
+      z = ab[..., norm_offset + h * DV:...+DV] of head h, in ab's dtype. One
+      program per head, as write_pending.
     interpret: run the Pallas interpreter.
     tuning: ``GatedDeltaTuning``; ``None`` looks up ``tuned_block_sizes``.
 
@@ -437,8 +483,14 @@ def gated_delta_verify(
     (o [B, T, H, DV] in v.dtype, new_state f32[S, H, DK, DV]) where
     new_state is the state after the n_pend committed pending tokens
     (*not* after the new tokens); slots >= B keep their input values. With
-    write_pend_v, the new pend_v is a third result.
+    write_pend_v, the new pend_v is a third result; with write_pending, the
+    new pend_k, pend_v, pend_g, pend_beta are results 3 to 6.
   """
+  per_head = write_pending or norm_weight is not None
+  if per_head and gates is None:
+    raise ValueError("write_pending and norm_weight need gates (the in-projection rows)")
+  if write_pending and write_pend_v:
+    raise ValueError("write_pending writes pend_v too: pass one of them")
   b, t, h, dk = q.shape
   gated = gates is not None
   if gated:
@@ -449,11 +501,20 @@ def gated_delta_verify(
   _validate_tokens("", q, k, v, g, beta)
   _validate_state(state, q, v, slots=True)
   dv = v.shape[-1]
-  pend_b = pend_v.shape[0] if write_pend_v else b
-  _validate_tokens("pending ", pend_k, pend_k, pend_v[:b] if write_pend_v else pend_v,
-                   pend_g, pend_beta, b=b, h=h)
-  if pend_b < b:
-    raise ValueError(f"pend_v has {pend_b} lane slots, the call runs {b}")
+  slots = write_pend_v or write_pending
+  pends = (pend_k, pend_v, pend_g, pend_beta)
+  if min(x.shape[0] for x in pends) < b:
+    raise ValueError(f"the pending buffers have {[x.shape[0] for x in pends]} lane slots, "
+                     f"the call runs {b}")
+  cut = lambda x, on: x[:b] if on else x
+  _validate_tokens("pending ", cut(pend_k, write_pending), cut(pend_k, write_pending),
+                   cut(pend_v, slots), cut(pend_g, write_pending),
+                   cut(pend_beta, write_pending), b=b, h=h)
+  if norm_weight is not None and (norm_weight.shape != (dv,) or not
+                                  0 <= norm_offset <= gates[0].shape[-1] - h * dv):
+    raise ValueError(f"norm_weight must be [DV]=[{dv}] and z = ab[..., {norm_offset}:"
+                     f"{norm_offset} + H*DV] inside ab {gates[0].shape}, got "
+                     f"{norm_weight.shape}")
   p = pend_k.shape[1]
   if pend_k.shape[-1] != dk or pend_v.shape[-1] != dv:
     raise ValueError(
@@ -461,14 +522,17 @@ def gated_delta_verify(
         f"DK={dk}/DV={dv}")
   if t < 1 or p < 1:
     raise ValueError(f"T and P must be >= 1, got T={t}, P={p}")
-  if write_pend_v and t > p:
-    raise ValueError(f"write_pend_v needs T <= P, got T={t}, P={p}")
+  if slots and t > p:
+    raise ValueError(f"writing the pending buffers needs T <= P, got T={t}, P={p}")
   if n_pend.shape != (b,) or n_pend.dtype != jnp.int32:
     raise ValueError(f"n_pend must be int32[B={b}], got {n_pend.dtype}{list(n_pend.shape)}")
   _validate_triton_dims(dk, dv, interpret)
   if tuning is None:
-    tuning = get_gated_delta_tuning("verify", dk, dv)
+    tuning = get_gated_delta_tuning("verify_head" if per_head else "verify", dk, dv)
   bv = _block_v(dv, tuning, interpret)
+  if per_head and bv != dv:
+    raise ValueError(f"write_pending / norm_weight run one program per head: block_v must "
+                     f"be DV={dv}, got {bv}")
   n_pend = jnp.clip(n_pend, 0, p)
   if live is None:
     live = jnp.ones((b,), jnp.int32)
@@ -476,8 +540,11 @@ def gated_delta_verify(
     raise ValueError(f"live must be [B={b}], got {live.shape}")
   live = live.astype(jnp.int32)
 
+  norm = norm_weight is not None
   kernel = functools.partial(_verify_kernel, n_new=t, gated=gated, gate_offset=gate_offset,
-                             n_heads=h, write_pend_v=write_pend_v)
+                             n_heads=h, write_pend_v=write_pend_v,
+                             write_pending=write_pending,
+                             norm_offset=norm_offset if norm else -1, norm_eps=norm_eps)
   grid = (b, h, dv // bv)
 
   def tok_spec(n, d, col):
@@ -505,15 +572,23 @@ def gated_delta_verify(
     args[-2:] = [ab, ab]
     in_specs += [head_spec, head_spec]
     args += [a_log, dt_bias]
+  if norm:
+    in_specs.append(pl.BlockSpec((dv,), lambda i, j, c: (0,)))
+    args.append(norm_weight)
   out_specs = [tok_spec(t, bv, True), state_spec]
-  out_shape = [jax.ShapeDtypeStruct((b, t, h, dv), v.dtype),
+  out_shape = [jax.ShapeDtypeStruct((b, t, h, dv), ab.dtype if norm else v.dtype),
                jax.ShapeDtypeStruct(state.shape, jnp.float32)]
   aliases = {2: 1}
   if write_pend_v:
     out_specs.append(tok_spec(p, bv, True))
     out_shape.append(jax.ShapeDtypeStruct(pend_v.shape, pend_v.dtype))
     aliases[4] = 2
-  name = f"gated_delta_verify{'_gated' if gated else ''}{'_pv' if write_pend_v else ''}"
+  if write_pending:
+    out_specs += [tok_spec(p, dk, False), tok_spec(p, bv, True), scal_spec(p), scal_spec(p)]
+    out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pends]
+    aliases.update({3: 2, 4: 3, 5: 4, 6: 5})
+  name = (f"gated_delta_verify{'_gated' if gated else ''}{'_pv' if write_pend_v else ''}"
+          f"{'_pend' if write_pending else ''}{'_norm' if norm else ''}")
   return tuple(pl.pallas_call(
       kernel,
       grid=grid,
@@ -665,10 +740,12 @@ def chunk_gated_delta_reference(q, k, v, g, beta, state, *, chunk_size=64):
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tuning", "write_pend_v",
-                                             "gate_offset"))
+                                             "gate_offset", "write_pending", "norm_offset",
+                                             "norm_eps"))
 def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pend,
                                  q, k, v, g, beta, *, live=None, gates=None, gate_offset=0,
-                                 write_pend_v=False, interpret=False, tuning=None):
+                                 write_pend_v=False, write_pending=False, norm_weight=None,
+                                 norm_offset=-1, norm_eps=1e-6, interpret=False, tuning=None):
   """jnp version of :func:`gated_delta_verify` (same signature and returns).
 
   Replays the pending slots with a masked loop (slots >= n_pend are selected
@@ -678,7 +755,12 @@ def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pen
   so a shallow step costs what it would on an engine with fewer slots.
   """
   del interpret, tuning
+  full = (pend_k, pend_v, pend_g, pend_beta)
   full_pend_v = pend_v
+  b, t = q.shape[:2]
+  if write_pending:
+    pend_k, pend_g, pend_beta = pend_k[:b], pend_g[:b], pend_beta[:b]
+  write_pend_v = write_pend_v or write_pending
   if gates is not None:
     if g is not None or beta is not None:
       raise ValueError("pass g = beta = None with gates (the kernel computes them)")
@@ -687,7 +769,7 @@ def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pen
     pend_v = pend_v[:q.shape[0]]
   _validate_tokens("", q, k, v, g, beta)
   _validate_state(state, q, v, slots=True)
-  slots, b = state, q.shape[0]
+  slots = state
   state = state[:b]
   pk, pv, pg, pb = _f32(pend_k, pend_v, pend_g, pend_beta)
   n_pend = n_pend[:b]
@@ -704,7 +786,24 @@ def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pen
   o, _ = recurrent_gated_delta_reference(q, k, v, g, beta, s_c)
   if live is not None:
     o = jnp.where(live.astype(bool)[:, None, None, None], o, 0)
+  if norm_weight is not None:
+    ab = gates[0]
+    h, dv = v.shape[2:]
+    z = ab[..., norm_offset:norm_offset + h * dv].reshape(v.shape)
+    o = _gated_rmsnorm(o.astype(ab.dtype), z, norm_weight, norm_eps)
+  put = lambda buf, x: buf.at[:b, :t].set(x.astype(buf.dtype))
+  if write_pending:
+    return (o, slots.at[:b].set(s_c)) + tuple(put(buf, x) for buf, x in
+                                              zip(full, (k, v, g, beta)))
   if write_pend_v:
-    return o, slots.at[:b].set(s_c), full_pend_v.at[:b, :q.shape[1]].set(
-        v.astype(full_pend_v.dtype))
+    return o, slots.at[:b].set(s_c), put(full_pend_v, v)
   return o, slots.at[:b].set(s_c)
+
+
+def _gated_rmsnorm(o, z, w, eps):
+  """mtpjax.model.gated_rmsnorm (spec §3.1b): plain-weight RMSNorm, then the SiLU(z) gate."""
+  dt = z.dtype
+  xf = o.astype(jnp.float32)
+  y = (xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(dt)
+  y = w.astype(dt) * y
+  return (y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(dt)

@@ -303,6 +303,65 @@ class TestGatedDelta:
       np.testing.assert_array_equal(pv_new[:b, t:], pv_all[:b, t:])   # NaN where it was
       assert np.isnan(pv_new[b:]).all()
 
+  @pytest.mark.parametrize("t,p", [(3, 3), (1, 4), (2, 5)], ids=["k2", "decode", "ragged"])
+  @pytest.mark.parametrize("norm", [False, True], ids=["pending", "pending+norm"])
+  def test_verify_one_program_per_head_writes_every_pending_buffer(self, t, p, norm):
+    """write_pending=True (one program per head): all four pending buffers take the new
+    block (k, v as passed, g and beta as computed from the gates) in place after the replay;
+    norm_weight: the outputs come back through the GDN output norm with z read from the
+    in-projection rows. Against the plain call + gate_values + the model's gated_rmsnorm;
+    NaN in unread pending slots, in rows past T and in lane slots past the bucket; an idle
+    lane (live False) comes back zeros and keeps its state."""
+    from mtpjax.model import gated_rmsnorm
+    rng = np.random.default_rng(41 + t + 7 * norm)
+    b, slots, h, dk, dv = 3, 4, 2, 16, 32
+    n_pend = np.asarray([0, min(1, p), p], np.int32)
+    pend = list(make_tokens(rng, b, p, h, dk, dv)[1:])
+    for i in range(b):
+      for x in pend:
+        x[i, n_pend[i]:] = np.nan
+    pend_all = []
+    for x in pend:
+      y = np.full((slots,) + x.shape[1:], np.nan, np.float32)
+      y[:b] = x
+      pend_all.append(y)
+    q, k, v, _, _ = make_tokens(rng, b, t, h, dk, dv)
+    bf = jnp.bfloat16
+    braw = jnp.asarray(rng.standard_normal((b, t, h)), bf)
+    a = jnp.asarray(rng.standard_normal((b, t, h)), bf)
+    z = jnp.asarray(rng.standard_normal((b, t, h * dv)), bf)
+    ab = jnp.concatenate([jnp.asarray(rng.standard_normal((b, t, 5)), bf), z, braw, a,
+                          jnp.full((b, t, 3), jnp.nan, bf)], axis=-1)
+    a_log = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    dt_bias = jnp.asarray(rng.standard_normal(h), bf)
+    w = jnp.asarray(1.0 + 0.1 * rng.standard_normal(dv), bf)
+    g, beta = gate_values(a, braw, a_log, dt_bias)
+    s0 = jnp.asarray(make_state(rng, b, h, dk, dv))
+    live = jnp.asarray([True, True, True])
+    o_want, s_want = gated_delta_verify_reference(s0, *map(jnp.asarray, pend),
+                                                  jnp.asarray(n_pend), *map(jnp.asarray,
+                                                                            (q, k, v)), g, beta)
+    if norm:
+      o_want = gated_rmsnorm(o_want.astype(bf), z.reshape(b, t, h, dv), w, 1e-6)
+    kw = dict(gates=(ab, a_log, dt_bias), gate_offset=5 + h * dv, write_pending=True,
+              live=live)
+    if norm:
+      kw.update(norm_weight=w, norm_offset=5)
+    for fn in (functools.partial(gated_delta_verify, interpret=self.INTERPRET),
+               gated_delta_verify_reference):
+      o, s, *new_pend = fn(s0, *map(jnp.asarray, pend_all), jnp.asarray(n_pend),
+                           *map(jnp.asarray, (q, k, v)), None, None, **kw)
+      assert np.isfinite(np.asarray(o, np.float32)).all()
+      tol = dict(atol=2e-2, rtol=2e-2) if norm else dict(atol=F32_TOL, rtol=F32_TOL)
+      np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_want, np.float32),
+                                 **tol)
+      np.testing.assert_allclose(s, s_want, atol=F32_TOL, rtol=F32_TOL)
+      for got, old, x in zip(new_pend, pend_all, (k, v, g, beta)):
+        got = np.asarray(got)
+        np.testing.assert_allclose(got[:b, :t], np.asarray(x), atol=1e-6, rtol=1e-6)
+        np.testing.assert_array_equal(got[:b, t:], old[:b, t:])
+        assert np.isnan(got[b:]).all()
+
   def test_verify_gates_reject_g_and_beta(self):
     a = jnp.zeros((1, 1, 4), jnp.float32)
     args = _verify_args(b=1, p=1, t=1)
@@ -483,6 +542,30 @@ def test_fused_verify_lowers_for_cuda_at_27b_shapes(b, t):
       lowering_platforms=("cuda",)).as_text()
   assert "__gpu$xla.gpu.triton" in text and "gated_delta_verify_gated_pv_" in text
   assert text.count("tf.aliasing_output") == 2, "state and pend_v in place"
+
+
+@pytest.mark.parametrize("b,t", [(1, 1), (1, 5), (8, 3)], ids=["decode", "verify-k4", "verify-k2"])
+def test_per_head_verify_lowers_for_cuda_at_27b_shapes(b, t):
+  """The one-program-per-head form (every pending buffer written in place, the output norm
+  inside) at the 27B's widths: five aliased outputs (state and the four pending buffers)."""
+  bf, f32 = jnp.bfloat16, jnp.float32
+  p, slots = 5, max(b, 2)
+  args = (_sds((slots, H, DK, DV), f32), _sds((slots, p, H, DK), f32),
+          _sds((slots, p, H, DV), f32), _sds((slots, p, H), f32), _sds((slots, p, H), f32),
+          _sds((b,), jnp.int32), _sds((b, t, H, DK), bf), _sds((b, t, H, DK), bf),
+          _sds((b, t, H, DV), bf))
+  proj = 2 * 16 * DK + H * DV + 2 * H
+  gates = (_sds((b, t, proj), bf), _sds((H,), f32), _sds((H,), bf))
+
+  def fn(state, pk, pv, pg, pb, n, q, k, v, gates, w):
+    return gated_delta_verify(state, pk, pv, pg, pb, n, q, k, v, None, None, gates=gates,
+                              gate_offset=proj - 2 * H, write_pending=True, norm_weight=w,
+                              norm_offset=2 * 16 * DK)
+
+  text = jax.jit(fn, donate_argnums=(0, 1, 2, 3, 4)).trace(
+      *args, gates, _sds((DV,), bf)).lower(lowering_platforms=("cuda",)).as_text()
+  assert "gated_delta_verify_gated_pend_norm_bv128_w8" in text
+  assert text.count("tf.aliasing_output") == 5, "state and the pending buffers in place"
 
 
 def test_compiled_block_v_below_16_is_rejected():
