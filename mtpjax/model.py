@@ -500,12 +500,15 @@ def _gdn_mix(cfg: Config, p: GdnParams, proj, c: GdnCache, n_pend, seg: Segment,
         # the old ones and applies the output norm: on the H200 that saves the gate
         # kernels, the pending writes (and the two copies of pend_v per layer XLA made to
         # write it beside the kernel's read) and the norm kernel (issue 36).
+        # The conv output goes in packed, q and k as raw key-head rows (the kernel
+        # normalises them); rows past a lane's valid tokens are not masked: their outputs
+        # and pending slots are never used (n_pend <= n_valid).
         if kernels != "reference" and first:
             y, S, pk_, pv_, pg_, pb_ = gdn_math.step(
-                c.state, c.pend_k, c.pend_v, c.pend_g, c.pend_beta, n_pend, q, k, v, None,
-                None, kernels, live=seg.n_valid > 0, gates=(proj, p.A_log, p.dt_bias),
+                c.state, c.pend_k, c.pend_v, c.pend_g, c.pend_beta, n_pend, mixed, None, None,
+                None, None, kernels, live=seg.n_valid > 0, gates=(proj, p.A_log, p.dt_bias),
                 gate_offset=cd + nv * dv, write_pending=True, norm_weight=p.norm,
-                norm_offset=cd, norm_eps=cfg.rms_norm_eps)
+                norm_offset=cd, norm_eps=cfg.rms_norm_eps, key_heads=nk)
             return y.reshape(B, T, nv * dv), GdnCache(
                 conv=at(c.conv, xs), state=S, pend_k=pk_, pend_v=pv_, pend_g=pg_,
                 pend_beta=pb_)

@@ -326,6 +326,7 @@ def _verify_kernel(
     write_pending: bool = False,
     norm_offset: int = -1,
     norm_eps: float = 0.0,
+    qk_l2norm: bool = False,
 ):
   head = pl.program_id(1)   # (read here: the interpreter has no program_id under pl.when)
   norm = norm_offset >= 0
@@ -349,13 +350,23 @@ def _verify_kernel(
     beta = (1.0 / (1.0 + jnp.exp(-b_raw.astype(jnp.float32)))).astype(g_ref.dtype)
     return -jnp.exp(alog_ref[0].astype(jnp.float32)) * softplus, beta.astype(jnp.float32)
 
+  def new_qk(t):
+    """(q_t, k_t) f32 of new token t: as passed, or (qk_l2norm) the raw conv outputs
+    L2-normalised (eps 1e-6), q scaled by DK^-0.5, as mtpjax.model does."""
+    q_t = q_ref[t, :].astype(jnp.float32)
+    k_t = k_ref[t, :].astype(jnp.float32)
+    if qk_l2norm:
+      q_t = q_t * lax.rsqrt(jnp.sum(q_t * q_t) + 1e-6) * (q_t.shape[0] ** -0.5)
+      k_t = k_t * lax.rsqrt(jnp.sum(k_t * k_t) + 1e-6)
+    return q_t, k_t
+
   def store_pending():
     if write_pend_v or write_pending:
       for t in range(n_new):
         pv_out_ref[t, :] = v_ref[t, :].astype(pv_out_ref.dtype)
     if write_pending:
       for t in range(n_new):
-        pk_out_ref[t, :] = k_ref[t, :].astype(pk_out_ref.dtype)
+        pk_out_ref[t, :] = new_qk(t)[1].astype(pk_out_ref.dtype)
         g_t, b_t = gates(t)
         pg_out_ref[t] = g_t.astype(pg_out_ref.dtype)
         pb_out_ref[t] = b_t.astype(pb_out_ref.dtype)
@@ -386,8 +397,9 @@ def _verify_kernel(
 
   def new_token(t, s):
     g_t, b_t = gates(t)
-    s = step(s, k_ref[t, :].astype(jnp.float32), v_ref[t, :].astype(jnp.float32), g_t, b_t)
-    o = jnp.sum(s * q_ref[t, :].astype(jnp.float32)[:, None], axis=0)  # S.T @ q
+    q_t, k_t = new_qk(t)
+    s = step(s, k_t, v_ref[t, :].astype(jnp.float32), g_t, b_t)
+    o = jnp.sum(s * q_t[:, None], axis=0)  # S.T @ q
     o_ref[t, :] = output(t, o)
     return s
 
@@ -412,7 +424,7 @@ def _verify_kernel(
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tuning", "write_pend_v",
                                              "gate_offset", "write_pending", "norm_offset",
-                                             "norm_eps"))
+                                             "norm_eps", "qk_l2norm", "key_heads"))
 def gated_delta_verify(
     state: jax.Array,
     pend_k: jax.Array,
@@ -434,6 +446,8 @@ def gated_delta_verify(
     norm_weight: jax.Array | None = None,
     norm_offset: int = -1,
     norm_eps: float = 1e-6,
+    qk_l2norm: bool = False,
+    key_heads: int = 0,
     interpret: bool = False,
     tuning: GatedDeltaTuning | None = None,
 ):
@@ -476,6 +490,13 @@ def gated_delta_verify(
       dtype, RMSNorm over DV with this weight and norm_eps, times SiLU(z) for
       z = ab[..., norm_offset + h * DV:...+DV] of head h, in ab's dtype. One
       program per head, as write_pending.
+    qk_l2norm: q and k are the raw [B, T, HK, DK] key-head rows (HK divides H;
+      value head h reads key head h // (H / HK)): the kernel L2-normalises them
+      (eps 1e-6) and scales q by DK^-0.5, as the model does, and pend_k takes
+      the normalised k. With write_pending.
+    key_heads: HK > 0 (implies qk_l2norm): q is the packed conv output
+      [B, T, 2 HK DK + H DV] (raw q | raw k | v, the model's `mixed`) and k = v =
+      None: the kernel reads each head's columns from it (no slice materialised).
     interpret: run the Pallas interpreter.
     tuning: ``GatedDeltaTuning``; ``None`` looks up ``tuned_block_sizes``.
 
@@ -491,6 +512,32 @@ def gated_delta_verify(
     raise ValueError("write_pending and norm_weight need gates (the in-projection rows)")
   if write_pending and write_pend_v:
     raise ValueError("write_pending writes pend_v too: pass one of them")
+  packed = key_heads > 0
+  if packed:
+    if k is not None or v is not None:
+      raise ValueError("key_heads: q is the packed [q | k | v] rows; pass k = v = None")
+    qk_l2norm = True
+    qkv = q
+    h, dk, dv = state.shape[1:]
+    hk = key_heads
+    if (qkv.ndim != 3 or qkv.shape[-1] != 2 * hk * dk + h * dv or h % hk
+        or (2 * hk * dk) % dv):
+      raise ValueError(f"key_heads={hk}: q must be the packed [B, T, 2 HK DK + H DV="
+                       f"{2 * hk * dk + h * dv}] rows (HK dividing H={h}, 2 HK DK a "
+                       f"multiple of DV), got {qkv.shape}")
+    q = k = jax.ShapeDtypeStruct(qkv.shape[:2] + (hk, dk), qkv.dtype)
+    v = jax.ShapeDtypeStruct(qkv.shape[:2] + (h, dv), qkv.dtype)
+  if qk_l2norm and not write_pending:
+    raise ValueError("qk_l2norm needs write_pending (pend_k takes the normalised keys)")
+  rep = 1
+  if qk_l2norm:                     # the checks below see head-expanded q and k
+    hk, h = q.shape[2], v.shape[2]
+    if q.ndim != 4 or q.shape != k.shape or h % hk:
+      raise ValueError(f"qk_l2norm: q and k must be [B, T, HK, DK] with HK dividing the "
+                       f"value heads {h}, got {q.shape} and {k.shape}")
+    rep = h // hk
+    q_raw, k_raw = q, k
+    q = k = jax.ShapeDtypeStruct(q.shape[:2] + (h,) + q.shape[3:], q.dtype)
   b, t, h, dk = q.shape
   gated = gates is not None
   if gated:
@@ -540,8 +587,13 @@ def gated_delta_verify(
     raise ValueError(f"live must be [B={b}], got {live.shape}")
   live = live.astype(jnp.int32)
 
+  if qk_l2norm:
+    q, k = q_raw, k_raw
   norm = norm_weight is not None
+  if packed:
+    q = k = v = qkv
   kernel = functools.partial(_verify_kernel, n_new=t, gated=gated, gate_offset=gate_offset,
+                             qk_l2norm=qk_l2norm,
                              n_heads=h, write_pend_v=write_pend_v,
                              write_pending=write_pending,
                              norm_offset=norm_offset if norm else -1, norm_eps=norm_eps)
@@ -557,12 +609,20 @@ def gated_delta_verify(
 
   head_spec = pl.BlockSpec((1,), lambda i, j, c: (j,))
   state_spec = pl.BlockSpec((None, None, dk, bv), lambda i, j, c: (i, j, 0, c))
+  if packed:       # column blocks of the packed rows: q, k in units of DK, v of bv
+    v0 = 2 * key_heads * dk // bv
+    new_specs = [pl.BlockSpec((None, t, dk), lambda i, j, c: (i, 0, j // rep)),
+                 pl.BlockSpec((None, t, dk), lambda i, j, c: (i, 0, key_heads + j // rep)),
+                 pl.BlockSpec((None, t, bv), lambda i, j, c: (i, 0, v0 + j * (dv // bv) + c))]
+  else:
+    new_qk_spec = pl.BlockSpec((None, t, None, dk), lambda i, j, c: (i, 0, j // rep, 0))
+    new_specs = [new_qk_spec, new_qk_spec, tok_spec(t, bv, True)]
   in_specs = [
       pl.BlockSpec((1,), lambda i, j, c: (i,)),  # n_pend
       pl.BlockSpec((1,), lambda i, j, c: (i,)),  # live
       state_spec,
       tok_spec(p, dk, False), tok_spec(p, bv, True), scal_spec(p), scal_spec(p),
-      tok_spec(t, dk, False), tok_spec(t, dk, False), tok_spec(t, bv, True),
+      *new_specs,
       scal_spec(t), scal_spec(t),
   ]
   args = [n_pend, live, state, pend_k, pend_v, pend_g, pend_beta, q, k, v, g, beta]
@@ -576,7 +636,8 @@ def gated_delta_verify(
     in_specs.append(pl.BlockSpec((dv,), lambda i, j, c: (0,)))
     args.append(norm_weight)
   out_specs = [tok_spec(t, bv, True), state_spec]
-  out_shape = [jax.ShapeDtypeStruct((b, t, h, dv), ab.dtype if norm else v.dtype),
+  out_shape = [jax.ShapeDtypeStruct((b, t, h, dv), ab.dtype if norm else
+                                    jnp.float32 if packed else v.dtype),
                jax.ShapeDtypeStruct(state.shape, jnp.float32)]
   aliases = {2: 1}
   if write_pend_v:
@@ -588,7 +649,8 @@ def gated_delta_verify(
     out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pends]
     aliases.update({3: 2, 4: 3, 5: 4, 6: 5})
   name = (f"gated_delta_verify{'_gated' if gated else ''}{'_pv' if write_pend_v else ''}"
-          f"{'_pend' if write_pending else ''}{'_norm' if norm else ''}")
+          f"{'_pend' if write_pending else ''}{'_norm' if norm else ''}"
+          f"{'_l2' if qk_l2norm else ''}")
   return tuple(pl.pallas_call(
       kernel,
       grid=grid,
@@ -741,11 +803,12 @@ def chunk_gated_delta_reference(q, k, v, g, beta, state, *, chunk_size=64):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tuning", "write_pend_v",
                                              "gate_offset", "write_pending", "norm_offset",
-                                             "norm_eps"))
+                                             "norm_eps", "qk_l2norm", "key_heads"))
 def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pend,
                                  q, k, v, g, beta, *, live=None, gates=None, gate_offset=0,
                                  write_pend_v=False, write_pending=False, norm_weight=None,
-                                 norm_offset=-1, norm_eps=1e-6, interpret=False, tuning=None):
+                                 norm_offset=-1, norm_eps=1e-6, qk_l2norm=False,
+                                 key_heads=0, interpret=False, tuning=None):
   """jnp version of :func:`gated_delta_verify` (same signature and returns).
 
   Replays the pending slots with a masked loop (slots >= n_pend are selected
@@ -755,6 +818,18 @@ def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pen
   so a shallow step costs what it would on an engine with fewer slots.
   """
   del interpret, tuning
+  if key_heads:
+    h, dk, dv = state.shape[1:]
+    bt, kd = q.shape[:2], key_heads * dk
+    q, k, v = (q[..., :kd].reshape(bt + (key_heads, dk)),
+               q[..., kd:2 * kd].reshape(bt + (key_heads, dk)),
+               q[..., 2 * kd:].reshape(bt + (h, dv)).astype(jnp.float32))
+    qk_l2norm = True
+  if qk_l2norm:
+    rep = v.shape[2] // q.shape[2]
+    l2 = lambda x: x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+    q = l2(jnp.repeat(q, rep, axis=2).astype(jnp.float32)) * (q.shape[-1] ** -0.5)
+    k = l2(jnp.repeat(k, rep, axis=2).astype(jnp.float32))
   full = (pend_k, pend_v, pend_g, pend_beta)
   full_pend_v = pend_v
   b, t = q.shape[:2]

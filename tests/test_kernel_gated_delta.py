@@ -362,6 +362,45 @@ class TestGatedDelta:
         np.testing.assert_array_equal(got[:b, t:], old[:b, t:])
         assert np.isnan(got[b:]).all()
 
+  @pytest.mark.parametrize("t", [1, 3], ids=["decode", "k2"])
+  @pytest.mark.parametrize("packed", [False, True], ids=["qkv", "packed"])
+  def test_verify_normalises_raw_key_head_rows_inside(self, t, packed):
+    """qk_l2norm=True: q and k come as the raw [B, T, HK, DK] key-head rows (value head h
+    reads key head h // (H / HK)); the kernel L2-normalises them, scales q and stores the
+    normalised k as pending. key_heads=HK: the same from the packed [q | k | v] rows (the
+    model's conv output). Against the plain per-head call on the model's expanded,
+    normalised q and k."""
+    rng = np.random.default_rng(51 + t)
+    b, p, hk, rep, dk, dv = 2, 4, 2, 3, 16, 32
+    h = hk * rep
+    n_pend = np.asarray([1, p], np.int32)
+    pend = [jnp.asarray(x) for x in make_tokens(rng, b, p, h, dk, dv)[1:]]
+    bf = jnp.bfloat16
+    q = jnp.asarray(rng.standard_normal((b, t, hk, dk)), bf)
+    k = jnp.asarray(rng.standard_normal((b, t, hk, dk)), bf)
+    v = jnp.asarray(rng.standard_normal((b, t, h, dv)), bf).astype(jnp.float32)
+    ab = jnp.asarray(rng.standard_normal((b, t, 2 * h)), bf)
+    a_log = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    dt_bias = jnp.asarray(rng.standard_normal(h), bf)
+    l2 = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+    qx = l2(jnp.repeat(q, rep, axis=2).astype(jnp.float32)) * dk ** -0.5
+    kx = l2(jnp.repeat(k, rep, axis=2).astype(jnp.float32))
+    s0 = jnp.asarray(make_state(rng, b, h, dk, dv))
+    kw = dict(gates=(ab, a_log, dt_bias), write_pending=True)
+    want = gated_delta_verify_reference(s0, *pend, jnp.asarray(n_pend), qx, kx, v, None, None,
+                                        **kw)
+    for fn in (functools.partial(gated_delta_verify, interpret=self.INTERPRET),
+               gated_delta_verify_reference):
+      if packed:
+        qkv = jnp.concatenate([q.reshape(b, t, -1), k.reshape(b, t, -1),
+                               v.reshape(b, t, -1).astype(bf)], axis=-1)
+        got = fn(s0, *pend, jnp.asarray(n_pend), qkv, None, None, None, None,
+                 key_heads=hk, **kw)
+      else:
+        got = fn(s0, *pend, jnp.asarray(n_pend), q, k, v, None, None, qk_l2norm=True, **kw)
+      for x, y in zip(got, want):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=F32_TOL, rtol=F32_TOL)
+
   def test_verify_gates_reject_g_and_beta(self):
     a = jnp.zeros((1, 1, 4), jnp.float32)
     args = _verify_args(b=1, p=1, t=1)
@@ -545,26 +584,31 @@ def test_fused_verify_lowers_for_cuda_at_27b_shapes(b, t):
 
 
 @pytest.mark.parametrize("b,t", [(1, 1), (1, 5), (8, 3)], ids=["decode", "verify-k4", "verify-k2"])
-def test_per_head_verify_lowers_for_cuda_at_27b_shapes(b, t):
+@pytest.mark.parametrize("l2", [False, True, "packed"], ids=["", "qk-l2norm", "packed"])
+def test_per_head_verify_lowers_for_cuda_at_27b_shapes(b, t, l2):
   """The one-program-per-head form (every pending buffer written in place, the output norm
   inside) at the 27B's widths: five aliased outputs (state and the four pending buffers)."""
   bf, f32 = jnp.bfloat16, jnp.float32
   p, slots = 5, max(b, 2)
   args = (_sds((slots, H, DK, DV), f32), _sds((slots, p, H, DK), f32),
           _sds((slots, p, H, DV), f32), _sds((slots, p, H), f32), _sds((slots, p, H), f32),
-          _sds((b,), jnp.int32), _sds((b, t, H, DK), bf), _sds((b, t, H, DK), bf),
-          _sds((b, t, H, DV), bf))
+          _sds((b,), jnp.int32), _sds((b, t, 16 if l2 else H, DK), bf),
+          _sds((b, t, 16 if l2 else H, DK), bf), _sds((b, t, H, DV), bf))
   proj = 2 * 16 * DK + H * DV + 2 * H
   gates = (_sds((b, t, proj), bf), _sds((H,), f32), _sds((H,), bf))
 
   def fn(state, pk, pv, pg, pb, n, q, k, v, gates, w):
-    return gated_delta_verify(state, pk, pv, pg, pb, n, q, k, v, None, None, gates=gates,
-                              gate_offset=proj - 2 * H, write_pending=True, norm_weight=w,
-                              norm_offset=2 * 16 * DK)
+    kw = dict(gates=gates, gate_offset=proj - 2 * H, write_pending=True, norm_weight=w,
+              norm_offset=2 * 16 * DK)
+    if l2 == "packed":       # the conv output [q | k | v] as the kernel's one qkv operand
+      return gated_delta_verify(state, pk, pv, pg, pb, n, gates[0][..., :2 * 16 * DK + H * DV],
+                                None, None, None, None, key_heads=16, **kw)
+    return gated_delta_verify(state, pk, pv, pg, pb, n, q, k, v, None, None, qk_l2norm=l2,
+                              **kw)
 
   text = jax.jit(fn, donate_argnums=(0, 1, 2, 3, 4)).trace(
       *args, gates, _sds((DV,), bf)).lower(lowering_platforms=("cuda",)).as_text()
-  assert "gated_delta_verify_gated_pend_norm_bv128_w8" in text
+  assert ("gated_delta_verify_gated_pend_norm" + ("_l2" if l2 else "") + "_bv128_w8") in text
   assert text.count("tf.aliasing_output") == 5, "state and the pending buffers in place"
 
 
