@@ -271,9 +271,24 @@ def row_parallel(cfg: Config, x, w):
     return lax.psum(y, cfg.tp_axis).astype(x.dtype)
 
 
-def mlp_block(cfg: Config, p: MlpParams, x):
+def mlp_block(cfg: Config, p: MlpParams, x, out=None):
     gate, up = jnp.split(dense(x, p.gate_up), 2, axis=-1)        # one GEMM over [gate | up]
-    return row_parallel(cfg, jax.nn.silu(gate) * up, p.down_proj)
+    return (out or partial(row_parallel, cfg))(jax.nn.silu(gate) * up, p.down_proj)
+
+
+def dense_partials(x, w):
+    """dense(x, w) before its last step: f32 [S, ..., out] partial sums over S slices of the
+    contraction (split-K done here), for a consumer that sums them itself (the Pallas add +
+    RMSNorm: the GEMM then needs no reduction kernel between them; XLA's own split-K put one
+    there). S = 8 for a contraction of >= 16k, else 4 (what XLA picked for these GEMMs at
+    1-5 rows, deviceless); dense's rounded output where w is FP8 or S does not divide it."""
+    K = x.shape[-1]
+    S = 8 if K >= 16384 else 4
+    if isinstance(w, Fp8Weight) or K % S:
+        return dense(x, w)
+    xs = x.reshape(x.shape[:-1] + (S, K // S))
+    ws = w.reshape(w.shape[0], S, K // S)
+    return jnp.einsum("...si,osi->s...o", xs, ws, preferred_element_type=jnp.float32)
 
 
 def rope_cos_sin(cfg: Config, positions, dtype):
@@ -436,10 +451,11 @@ def _gdn_in_proj(p: GdnParams, x):
 
 
 def _gdn_mix(cfg: Config, p: GdnParams, proj, c: GdnCache, n_pend, seg: Segment, mode: str,
-             kernels: str):
+             kernels: str, proj_parts=None):
     """The GDN mixer between in_proj and out_proj: conv window, delta rule (chunked or
-    pending replay), gated norm. proj [B, T, ...] (_gdn_in_proj). Returns
-    (y [B, T, NV*DV], c with the call's slots updated)."""
+    pending replay), gated norm. proj [B, T, ...] (_gdn_in_proj); proj_parts: the same as
+    f32 split partials [S, B, T, ...] (dense_partials), which the Pallas kernel then reads
+    instead. Returns (y [B, T, NV*DV], c with the call's slots updated)."""
     B, T, _ = proj.shape
     kc = cfg.linear_conv_kernel_dim - 1
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -506,9 +522,11 @@ def _gdn_mix(cfg: Config, p: GdnParams, proj, c: GdnCache, n_pend, seg: Segment,
         if kernels != "reference" and first:
             y, S, pk_, pv_, pg_, pb_ = gdn_math.step(
                 c.state, c.pend_k, c.pend_v, c.pend_g, c.pend_beta, n_pend, mixed, None, None,
-                None, None, kernels, live=seg.n_valid > 0, gates=(proj, p.A_log, p.dt_bias),
+                None, None, kernels, live=seg.n_valid > 0,
+                gates=(proj if proj_parts is None else proj_parts, p.A_log, p.dt_bias),
                 gate_offset=cd + nv * dv, write_pending=True, norm_weight=p.norm,
-                norm_offset=cd, norm_eps=cfg.rms_norm_eps, key_heads=nk)
+                norm_offset=cd, norm_eps=cfg.rms_norm_eps, key_heads=nk,
+                ab_dtype=None if proj_parts is None else proj.dtype)
             return y.reshape(B, T, nv * dv), GdnCache(
                 conv=at(c.conv, xs), state=S, pend_k=pk_, pend_v=pv_, pend_g=pg_,
                 pend_beta=pb_)
@@ -529,12 +547,33 @@ def _gdn_mix(cfg: Config, p: GdnParams, proj, c: GdnCache, n_pend, seg: Segment,
 # Decoder layers and the whole model
 # --------------------------------------------------------------------------------------------
 
-def full_layer(cfg, p: FullLayer, h, kv, seg, cos, sin, kernels="reference"):
-    x, kv = attention_block(cfg, p.attn, rmsnorm_1p(h, p.input_layernorm, cfg.rms_norm_eps),
-                            kv, seg, cos, sin, kernels)
-    h = h + x
-    h = h + mlp_block(cfg, p.mlp, rmsnorm_1p(h, p.post_attention_layernorm, cfg.rms_norm_eps))
-    return h, kv
+def full_layer(cfg, p: FullLayer, h, kv, seg, cos, sin, kernels="reference", final_norm=None):
+    """One full-attention decoder layer (the MTP's): (h after it, kv); with final_norm,
+    (rmsnorm_1p(h after it, final_norm), kv). Its adds ride with the norms (add_norm)."""
+    eps = cfg.rms_norm_eps
+    out = _residual_out(cfg, kernels, h)
+    _, x = add_norm(h, None, p.input_layernorm, eps, kernels)
+    o, kv = _attend_gated(cfg, p.attn, dense(x, p.attn.qkv), kv, seg, cos, sin, kernels)
+    h, x = add_norm(h, out(o, p.attn.o_proj), p.post_attention_layernorm, eps, kernels)
+    d = mlp_block(cfg, p.mlp, x, out)
+    if final_norm is not None:
+        return add_norm(h, d, final_norm, eps, kernels)[1], kv
+    return h + (d if d.ndim == h.ndim else jnp.sum(d, 0).astype(h.dtype)), kv
+
+
+PARTIALS_MAX_ROWS = 16
+
+
+def _residual_out(cfg: Config, kernels: str, h):
+    """The projections whose outputs go into the residual: on the Pallas path (one device),
+    for at most PARTIALS_MAX_ROWS token rows (decode and verify steps: where a GEMM is split
+    over its contraction anyway, and the partials cost next to nothing; a prefill chunk's
+    would cost S times its output), as split-K partials that the next add + RMSNorm kernel
+    sums (dense_partials); else row_parallel."""
+    rows = h.size // h.shape[-1]
+    if kernels != "reference" and cfg.tp_axis is None and rows <= PARTIALS_MAX_ROWS:
+        return dense_partials
+    return partial(row_parallel, cfg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -587,6 +626,7 @@ def _layer(cfg: Config, kind: str, p, h, d, c, groups, n_pends, ropes, kernels: 
     eps = cfg.rms_norm_eps
     shapes = [g.tokens.shape for g in groups]
     h, x = add_norm(h, d, p.input_layernorm, eps, kernels)
+    out = _residual_out(cfg, kernels, h)
     if kind == FULL:
         parts = []
         for g, qkv, (cos, sin) in zip(groups, _uncat(dense(x, p.attn.qkv), shapes), ropes):
@@ -597,15 +637,25 @@ def _layer(cfg: Config, kind: str, p, h, d, c, groups, n_pends, ropes, kernels: 
                 # audit showed two copies of every layer's K and V pool)
                 o, c = lax.optimization_barrier((o, c))
             parts.append(o)
-        mix = row_parallel(cfg, _cat(parts), p.attn.o_proj)
+        mix = out(_cat(parts), p.attn.o_proj)
     else:
         parts = []
-        for g, proj, n_pend in zip(groups, _uncat(_gdn_in_proj(p.gdn, x), shapes), n_pends):
-            y, c = _gdn_mix(cfg, p.gdn, proj, c, n_pend, g.seg, g.mode, kernels)
+        if (out is dense_partials and len(groups) == 1 and groups[0].mode == "step"
+                and p.gdn.in_proj_ba is None):
+            # a decode step alone: the in-projection as split partials that the conv fusion
+            # and the GDN kernel sum (no reduction kernel after the GEMM)
+            ip = dense_partials(x, p.gdn.in_proj)
+            projs = [(jnp.sum(ip, 0).astype(x.dtype), ip)] if ip.ndim == x.ndim + 1 else None
+        else:
+            projs = None
+        for g, proj, n_pend in zip(groups, projs or _uncat(_gdn_in_proj(p.gdn, x), shapes),
+                                   n_pends):
+            proj, proj_parts = proj if projs else (proj, None)
+            y, c = _gdn_mix(cfg, p.gdn, proj, c, n_pend, g.seg, g.mode, kernels, proj_parts)
             parts.append(y)
-        mix = row_parallel(cfg, _cat(parts), p.gdn.out_proj)
+        mix = out(_cat(parts), p.gdn.out_proj)
     h, x = add_norm(h, mix, p.post_attention_layernorm, eps, kernels)
-    return h, mlp_block(cfg, p.mlp, x), c
+    return h, mlp_block(cfg, p.mlp, x, out), c
 
 
 def forward(cfg: Config, params: Params, cache: Cache, tokens, seg: Segment, mode: str,
@@ -785,8 +835,8 @@ def mtp_forward(cfg: Config, params: Params, cache: Cache, h_prev, next_tokens, 
     """
     m = params.mtp
     x, cos, sin = _mtp_input(cfg, params, h_prev, next_tokens, seg)
-    x, kv = full_layer(cfg, m.layer, x, cache.mtp, seg, cos, sin, kernels)
-    return rmsnorm_1p(x, m.norm, cfg.rms_norm_eps), dataclasses.replace(cache, mtp=kv)
+    x, kv = full_layer(cfg, m.layer, x, cache.mtp, seg, cos, sin, kernels, final_norm=m.norm)
+    return x, dataclasses.replace(cache, mtp=kv)
 
 
 def _mtp_input(cfg: Config, params: Params, h_prev, next_tokens, seg: Segment):

@@ -327,6 +327,8 @@ def _verify_kernel(
     norm_offset: int = -1,
     norm_eps: float = 0.0,
     qk_l2norm: bool = False,
+    ab_splits: int = 0,
+    ab_dtype=None,
 ):
   head = pl.program_id(1)   # (read here: the interpreter has no program_id under pl.when)
   norm = norm_offset >= 0
@@ -339,15 +341,25 @@ def _verify_kernel(
   if write_pending:
     pk_out_ref, pv_out_ref, pg_out_ref, pb_out_ref = rest
 
+  def ab_at(t, idx):
+    """The in-projection's row t at idx; from split partials: their f32 sum rounded to the
+    projection's dtype (the GEMM's output)."""
+    if not ab_splits:
+      return g_ref[t, idx]
+    x = g_ref[0, t, idx]
+    for j in range(1, ab_splits):
+      x = x + g_ref[j, t, idx]
+    return x.astype(ab_dtype)
+
   def gates(t):
     """(g_t, beta_t) of new token t: read, or (gated) computed as the model does."""
     if not gated:
       return g_ref[t], b_ref[t]
-    b_raw = g_ref[t, gate_offset + head]
-    a = g_ref[t, gate_offset + n_heads + head].astype(jnp.float32) + dtb_ref[0].astype(jnp.float32)
+    b_raw = ab_at(t, gate_offset + head)
+    a = ab_at(t, gate_offset + n_heads + head).astype(jnp.float32) + dtb_ref[0].astype(jnp.float32)
     softplus = jnp.maximum(a, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(a)))
     # sigmoid in f32, rounded once to b's dtype (gate_values)
-    beta = (1.0 / (1.0 + jnp.exp(-b_raw.astype(jnp.float32)))).astype(g_ref.dtype)
+    beta = (1.0 / (1.0 + jnp.exp(-b_raw.astype(jnp.float32)))).astype(b_raw.dtype)
     return -jnp.exp(alog_ref[0].astype(jnp.float32)) * softplus, beta.astype(jnp.float32)
 
   def new_qk(t):
@@ -382,7 +394,7 @@ def _verify_kernel(
     y = (x * lax.rsqrt(jnp.mean(x * x) + norm_eps)).astype(dt)
     y = (nw_ref[...].astype(dt) * y).astype(jnp.float32)
     dv = o.shape[0]
-    z = g_ref[t, pl.ds(norm_offset + head * dv, dv)].astype(jnp.float32)
+    z = ab_at(t, pl.ds(norm_offset + head * dv, dv)).astype(jnp.float32)
     return (y * (z / (1.0 + jnp.exp(-z)))).astype(dt)
 
   def step(s, k_t, v_t, g_t, b_t):
@@ -424,7 +436,8 @@ def _verify_kernel(
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tuning", "write_pend_v",
                                              "gate_offset", "write_pending", "norm_offset",
-                                             "norm_eps", "qk_l2norm", "key_heads"))
+                                             "norm_eps", "qk_l2norm", "key_heads",
+                                             "ab_dtype"))
 def gated_delta_verify(
     state: jax.Array,
     pend_k: jax.Array,
@@ -448,6 +461,7 @@ def gated_delta_verify(
     norm_eps: float = 1e-6,
     qk_l2norm: bool = False,
     key_heads: int = 0,
+    ab_dtype=None,
     interpret: bool = False,
     tuning: GatedDeltaTuning | None = None,
 ):
@@ -497,6 +511,9 @@ def gated_delta_verify(
     key_heads: HK > 0 (implies qk_l2norm): q is the packed conv output
       [B, T, 2 HK DK + H DV] (raw q | raw k | v, the model's `mixed`) and k = v =
       None: the kernel reads each head's columns from it (no slice materialised).
+    ab_dtype: with gates' ab given as f32 [S, B, T, C] split-K partial sums of
+      the in-projection (mtpjax.model.dense_partials; no reduction kernel after
+      the GEMM): the dtype their sum is rounded to (the projection's), static.
     interpret: run the Pallas interpreter.
     tuning: ``GatedDeltaTuning``; ``None`` looks up ``tuned_block_sizes``.
 
@@ -543,7 +560,7 @@ def gated_delta_verify(
   if gated:
     if g is not None or beta is not None:
       raise ValueError("pass g = beta = None with gates (the kernel computes them)")
-    ab, a_log, dt_bias = _validate_gates(gates, q, gate_offset)
+    ab, a_log, dt_bias = _validate_gates(gates, q, gate_offset, ab_dtype)
     g = beta = jnp.zeros(q.shape[:3], jnp.float32)      # for the checks only (unused)
   _validate_tokens("", q, k, v, g, beta)
   _validate_state(state, q, v, slots=True)
@@ -592,8 +609,11 @@ def gated_delta_verify(
   norm = norm_weight is not None
   if packed:
     q = k = v = qkv
+  ab_splits = ab.shape[0] if gated and ab.ndim == 4 else 0
+  out_dt = (ab_dtype or ab.dtype) if gated else None
   kernel = functools.partial(_verify_kernel, n_new=t, gated=gated, gate_offset=gate_offset,
-                             qk_l2norm=qk_l2norm,
+                             qk_l2norm=qk_l2norm, ab_splits=ab_splits,
+                             ab_dtype=jnp.dtype(out_dt) if gated else None,
                              n_heads=h, write_pend_v=write_pend_v,
                              write_pending=write_pending,
                              norm_offset=norm_offset if norm else -1, norm_eps=norm_eps)
@@ -627,7 +647,8 @@ def gated_delta_verify(
   ]
   args = [n_pend, live, state, pend_k, pend_v, pend_g, pend_beta, q, k, v, g, beta]
   if gated:
-    ab_spec = pl.BlockSpec((None, t, ab.shape[-1]), lambda i, j, c: (i, 0, 0))
+    ab_spec = (pl.BlockSpec((ab_splits, None, t, ab.shape[-1]), lambda i, j, c: (0, i, 0, 0))
+               if ab_splits else pl.BlockSpec((None, t, ab.shape[-1]), lambda i, j, c: (i, 0, 0)))
     in_specs[-2:] = [ab_spec, ab_spec]
     args[-2:] = [ab, ab]
     in_specs += [head_spec, head_spec]
@@ -636,7 +657,7 @@ def gated_delta_verify(
     in_specs.append(pl.BlockSpec((dv,), lambda i, j, c: (0,)))
     args.append(norm_weight)
   out_specs = [tok_spec(t, bv, True), state_spec]
-  out_shape = [jax.ShapeDtypeStruct((b, t, h, dv), ab.dtype if norm else
+  out_shape = [jax.ShapeDtypeStruct((b, t, h, dv), out_dt if norm else
                                     jnp.float32 if packed else v.dtype),
                jax.ShapeDtypeStruct(state.shape, jnp.float32)]
   aliases = {2: 1}
@@ -665,20 +686,26 @@ def gated_delta_verify(
   )(*args))
 
 
-def _validate_gates(gates, q, offset: int):
+def _validate_gates(gates, q, offset: int, ab_dtype=None):
   """gates = (ab, A_log, dt_bias), checked; any float dtypes (the kernel reads them as f32,
-  so the caller's buffers go in as they are)."""
+  so the caller's buffers go in as they are); ab f32 [S, B, T, C] split partials with
+  ab_dtype."""
   if len(gates) != 3:
     raise ValueError("gates must be (ab, A_log, dt_bias)")
   ab, a_log, dt_bias = gates
   bt, h = q.shape[:2], q.shape[2]
+  if ab.ndim == 4 and (ab_dtype is None or ab.dtype != jnp.float32):
+    raise ValueError(f"gates ab as split partials [S, B, T, C] must be f32 with ab_dtype "
+                     f"given, got {ab.dtype} and ab_dtype={ab_dtype}")
+  if ab.ndim == 4:
+    ab = jax.ShapeDtypeStruct(ab.shape[1:], jnp.dtype(ab_dtype))   # for the checks
   if ab.ndim != 3 or ab.shape[:2] != bt or not 0 <= offset <= ab.shape[-1] - 2 * h:
     raise ValueError(f"gates ab must be [B, T, C]={bt} + [C] holding b and a in columns "
                      f"[{offset}, {offset} + 2H={offset + 2 * h}), got {ab.shape}")
   if a_log.shape != (h,) or dt_bias.shape != (h,):
     raise ValueError(f"A_log and dt_bias must be [H]=({h},), got {a_log.shape} and "
                      f"{dt_bias.shape}")
-  return ab, a_log, dt_bias
+  return gates[0], a_log, dt_bias
 
 
 def _gate_inputs(gates, q, offset: int):
@@ -803,12 +830,13 @@ def chunk_gated_delta_reference(q, k, v, g, beta, state, *, chunk_size=64):
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tuning", "write_pend_v",
                                              "gate_offset", "write_pending", "norm_offset",
-                                             "norm_eps", "qk_l2norm", "key_heads"))
+                                             "norm_eps", "qk_l2norm", "key_heads",
+                                             "ab_dtype"))
 def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pend,
                                  q, k, v, g, beta, *, live=None, gates=None, gate_offset=0,
                                  write_pend_v=False, write_pending=False, norm_weight=None,
                                  norm_offset=-1, norm_eps=1e-6, qk_l2norm=False,
-                                 key_heads=0, interpret=False, tuning=None):
+                                 key_heads=0, ab_dtype=None, interpret=False, tuning=None):
   """jnp version of :func:`gated_delta_verify` (same signature and returns).
 
   Replays the pending slots with a masked loop (slots >= n_pend are selected
@@ -818,6 +846,11 @@ def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pen
   so a shallow step costs what it would on an engine with fewer slots.
   """
   del interpret, tuning
+  if gates is not None and gates[0].ndim == 4:        # split partials: the GEMM's output
+    if ab_dtype is None or gates[0].dtype != jnp.float32:
+      raise ValueError("gates ab as split partials [S, B, T, C] must be f32 with ab_dtype "
+                       "given")
+    gates = (jnp.sum(gates[0], axis=0).astype(ab_dtype),) + tuple(gates[1:])
   if key_heads:
     h, dk, dv = state.shape[1:]
     bt, kd = q.shape[:2], key_heads * dk

@@ -304,7 +304,8 @@ class TestGatedDelta:
       assert np.isnan(pv_new[b:]).all()
 
   @pytest.mark.parametrize("t,p", [(3, 3), (1, 4), (2, 5)], ids=["k2", "decode", "ragged"])
-  @pytest.mark.parametrize("norm", [False, True], ids=["pending", "pending+norm"])
+  @pytest.mark.parametrize("norm", [False, True, "partials"],
+                           ids=["pending", "pending+norm", "pending+norm+partials"])
   def test_verify_one_program_per_head_writes_every_pending_buffer(self, t, p, norm):
     """write_pending=True (one program per head): all four pending buffers take the new
     block (k, v as passed, g and beta as computed from the gates) in place after the replay;
@@ -313,7 +314,7 @@ class TestGatedDelta:
     NaN in unread pending slots, in rows past T and in lane slots past the bucket; an idle
     lane (live False) comes back zeros and keeps its state."""
     from mtpjax.model import gated_rmsnorm
-    rng = np.random.default_rng(41 + t + 7 * norm)
+    rng = np.random.default_rng(41 + t + 7 * bool(norm))
     b, slots, h, dk, dv = 3, 4, 2, 16, 32
     n_pend = np.asarray([0, min(1, p), p], np.int32)
     pend = list(make_tokens(rng, b, p, h, dk, dv)[1:])
@@ -347,6 +348,10 @@ class TestGatedDelta:
               live=live)
     if norm:
       kw.update(norm_weight=w, norm_offset=5)
+    if norm == "partials":     # ab as 3 f32 split partials whose sum is ab exactly
+      abf = ab.astype(jnp.float32)
+      part = jnp.stack([abf - 1.0, jnp.full_like(abf, 0.5), jnp.full_like(abf, 0.5)])
+      kw.update(gates=(part, a_log, dt_bias), ab_dtype=bf)
     for fn in (functools.partial(gated_delta_verify, interpret=self.INTERPRET),
                gated_delta_verify_reference):
       o, s, *new_pend = fn(s0, *map(jnp.asarray, pend_all), jnp.asarray(n_pend),
@@ -584,7 +589,8 @@ def test_fused_verify_lowers_for_cuda_at_27b_shapes(b, t):
 
 
 @pytest.mark.parametrize("b,t", [(1, 1), (1, 5), (8, 3)], ids=["decode", "verify-k4", "verify-k2"])
-@pytest.mark.parametrize("l2", [False, True, "packed"], ids=["", "qk-l2norm", "packed"])
+@pytest.mark.parametrize("l2", [False, True, "packed", "partials"],
+                         ids=["", "qk-l2norm", "packed", "packed+partials"])
 def test_per_head_verify_lowers_for_cuda_at_27b_shapes(b, t, l2):
   """The one-program-per-head form (every pending buffer written in place, the output norm
   inside) at the 27B's widths: five aliased outputs (state and the four pending buffers)."""
@@ -603,6 +609,11 @@ def test_per_head_verify_lowers_for_cuda_at_27b_shapes(b, t, l2):
     if l2 == "packed":       # the conv output [q | k | v] as the kernel's one qkv operand
       return gated_delta_verify(state, pk, pv, pg, pb, n, gates[0][..., :2 * 16 * DK + H * DV],
                                 None, None, None, None, key_heads=16, **kw)
+    if l2 == "partials":     # and the in-projection as 4 f32 split-K partials
+      parts = jnp.stack([gates[0].astype(f32)] * 4)
+      kw["gates"] = (parts,) + gates[1:]
+      return gated_delta_verify(state, pk, pv, pg, pb, n, gates[0][..., :2 * 16 * DK + H * DV],
+                                None, None, None, None, key_heads=16, ab_dtype=bf, **kw)
     return gated_delta_verify(state, pk, pv, pg, pb, n, q, k, v, None, None, qk_l2norm=l2,
                               **kw)
 

@@ -95,3 +95,37 @@ def test_lowers_for_cuda_at_27b_width(n, add):
   text = fn.trace(h, h if add else None, w).lower(lowering_platforms=("cuda",)).as_text()
   assert "__gpu$xla.gpu.triton" in text
   assert ("add_rmsnorm_c1024" if add else "rmsnorm_c1024") in text
+
+
+@pytest.mark.parametrize("splits,shape", [(4, (1, 1, 96)), (8, (2, 5, 96)), (2, (7, 80))])
+def test_split_partials_are_summed_then_rounded_then_added(splits, shape):
+  """d f32 [S, ..., H]: the S partial sums of the added GEMM output; kernel == reference ==
+  the GEMM's rounded output added (h + sum(d).astype(h.dtype))."""
+  rng = np.random.default_rng(splits)
+  h = _rows(rng, shape, scale=3.0)
+  d = jnp.asarray(rng.standard_normal((splits,) + shape), jnp.float32)
+  w = _rows(rng, shape[-1:], scale=0.1)
+  h1, n1 = add_rmsnorm(h, d, w, eps=EPS, interpret=True)
+  h2, n2 = add_rmsnorm_reference(h, d, w, eps=EPS)
+  _, n3 = add_rmsnorm_reference(h, jnp.sum(d, axis=0).astype(h.dtype), w, eps=EPS)
+  np.testing.assert_array_equal(np.asarray(h2, np.float32),
+                                np.asarray(h + jnp.sum(d, axis=0).astype(h.dtype), np.float32))
+  np.testing.assert_array_equal(np.asarray(n2, np.float32), np.asarray(n3, np.float32))
+  for a, b in ((h1, h2), (n1, n2)):   # the kernel sums the partials in another order
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                               rtol=1e-2, atol=1e-2)
+
+
+def test_split_partials_are_checked():
+  h = jnp.zeros((2, 32), jnp.bfloat16)
+  with pytest.raises(ValueError, match="split partials"):
+    add_rmsnorm(h, jnp.zeros((4, 2, 32), jnp.bfloat16), jnp.zeros(32), eps=EPS, interpret=True)
+
+
+@pytest.mark.parametrize("n", [1, 5])
+def test_split_partials_lower_for_cuda_at_27b_width(n):
+  sds = jax.ShapeDtypeStruct
+  fn = jax.jit(lambda h, d, w: add_rmsnorm(h, d, w, eps=EPS))
+  text = fn.trace(sds((n, 5120), jnp.bfloat16), sds((8, n, 5120), jnp.float32),
+                  sds((5120,), jnp.bfloat16)).lower(lowering_platforms=("cuda",)).as_text()
+  assert "add_rmsnorm_s8_c1024" in text
