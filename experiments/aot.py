@@ -49,7 +49,7 @@ import sys
 
 from absl import flags
 
-from experiments import mesh_flags, weight_flags
+from experiments import mesh_flags, thunks, weight_flags
 from experiments.kernel_counts import write_kernel_counts
 
 FLAGS = flags.FLAGS
@@ -102,6 +102,9 @@ flags.DEFINE_list("kernel_mixed_chunks", ["64"], "--kernel_counts: the riding ch
                   "for the mixed keys (the engine's prefill_chunk)")
 flags.DEFINE_string("kernel_counts_out", "mtpjax/h200_kernel_counts.py", "--kernel_counts: "
                     "the table merged into (other entries and program keys kept)")
+flags.DEFINE_bool("thunks", False, "dump XLA's thunk sequence of each program (into "
+                  "<out_dir>/xla_dump) and report the kernels it launches inside command "
+                  "buffers (CUDA graphs) and outside them (experiments/thunks.py)")
 
 GB = 1e9
 
@@ -127,6 +130,10 @@ def _table(rows: list[dict]) -> str:
 def main(argv):
     del argv
     os.environ.setdefault("JAX_PLATFORMS", "cpu")   # a deviceless compile needs no GPU runtime
+    dump_dir = os.path.join(FLAGS.out_dir, "xla_dump")
+    if FLAGS.thunks:                 # before jax starts its backend, which reads XLA_FLAGS
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + f" --xla_dump_to={dump_dir}"
+                                   " --xla_dump_hlo_as_text").strip()
     import jax
 
     from experiments import aot_programs
@@ -194,10 +201,19 @@ def main(argv):
         "programs": {},
     }
     rows = []
+    if FLAGS.thunks:
+        # only what XLA_FLAGS sets differs from XLA's defaults (the dump's debug_options
+        # lists the non-default ones): name the command-buffer settings given, if any
+        doc["command_buffer_flags"] = [
+            f for f in os.environ.get("XLA_FLAGS", "").split()
+            if "command_buffer" in f or "graph" in f] or "XLA defaults (none set)"
     for p in progs:
         print(f"compiling {p.name} ...", flush=True)
+        seen = set(thunks.dumps(dump_dir)) if FLAGS.thunks else set()
         r = aot_programs.compile_program(p, device, min_bytes=FLAGS.min_mb * 1_000_000,
                                          bytes_per_s=FLAGS.hbm_gbps * GB)
+        if FLAGS.thunks:
+            r["thunks"] = thunks.read_new(dump_dir, seen)
         with open(os.path.join(FLAGS.out_dir, f"{p.name}.hlo.txt"), "w") as f:
             f.write(r.pop("hlo"))
         doc["programs"][p.name] = r
@@ -225,6 +241,15 @@ def main(argv):
         print("\ntraffic (every kernel's HBM bytes, hlo_audit.traffic) vs the cost model "
               "(mtpjax/cost_model.py, its kernel counts from the table or the fallback):")
         print(_model_table(model_rows))
+    if FLAGS.thunks:
+        print(f"\nthunk sequence (XLA's, after its thunk passes; command-buffer flags: "
+              f"{doc['command_buffer_flags']}): kernels launched inside command buffers "
+              f"(CUDA graphs) and outside, all branches counted, loop bodies once")
+        for r in rows:
+            t = r["thunks"]
+            print(f"  {r['program']:<18} " + ("no thunk dump" if t is None else
+                  f"graphs {t['graphs']}, kernels in graphs {t['in_graphs']}, outside "
+                  f"{t['outside']}, conditionals / loops {t['control']}"))
     for r in rows:
         if r["collectives"]:
             col = ", ".join(f"{op} x{c['count']} ({c['bytes'] / 1e6:.2f} MB)"

@@ -59,13 +59,20 @@ def prefill(q, k, v, g, beta, state, kernels: str = "reference"):
 
 
 def step(state, pend_k, pend_v, pend_g, pend_beta, n_pend, q, k, v, g, beta,
-         kernels: str = "reference", live=None):
+         kernels: str = "reference", live=None, gates=None, gate_offset: int = 0,
+         write_pend_v: bool = False, **fused):
     """Replay the n_pend accepted pending tokens, run the new block; (o, committed state).
 
     state may hold more lane slots than the block's B lanes (the first B are used); live
     bool[B] marks the lanes that run (the kernel neither reads nor writes an idle lane's state).
+    gates = (ab, A_log, dt_bias) with g = beta = None: g and beta computed inside the call
+    from b = ab[..., o:o+H], a = ab[..., o+H:o+2H], o = gate_offset;
+    write_pend_v: pend_v (lane slots >= B allowed) comes back as a third result with the new
+    block's v in its first T slots; `fused` (write_pending, norm_weight, norm_offset,
+    norm_eps): every pending buffer written and the output norm applied inside (see
+    pallas_kernels.gated_delta_verify).
     """
     fn = pk.gated_delta_verify_reference if kernels == "reference" else pk.gated_delta_verify
     extra = {} if kernels == "reference" else {"interpret": kernels == "interpret"}
     return fn(state, pend_k, pend_v, pend_g, pend_beta, n_pend, q, k, v, g, beta, live=live,
-              **extra)
+              gates=gates, gate_offset=gate_offset, write_pend_v=write_pend_v, **fused, **extra)

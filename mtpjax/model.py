@@ -271,9 +271,24 @@ def row_parallel(cfg: Config, x, w):
     return lax.psum(y, cfg.tp_axis).astype(x.dtype)
 
 
-def mlp_block(cfg: Config, p: MlpParams, x):
+def mlp_block(cfg: Config, p: MlpParams, x, out=None):
     gate, up = jnp.split(dense(x, p.gate_up), 2, axis=-1)        # one GEMM over [gate | up]
-    return row_parallel(cfg, jax.nn.silu(gate) * up, p.down_proj)
+    return (out or partial(row_parallel, cfg))(jax.nn.silu(gate) * up, p.down_proj)
+
+
+def dense_partials(x, w):
+    """dense(x, w) before its last step: f32 [S, ..., out] partial sums over S slices of the
+    contraction (split-K done here), for a consumer that sums them itself (the Pallas add +
+    RMSNorm: the GEMM then needs no reduction kernel between them; XLA's own split-K put one
+    there). S = 8 for a contraction of >= 16k, else 4 (what XLA picked for these GEMMs at
+    1-5 rows, deviceless); dense's rounded output where w is FP8 or S does not divide it."""
+    K = x.shape[-1]
+    S = 8 if K >= 16384 else 4
+    if isinstance(w, Fp8Weight) or K % S:
+        return dense(x, w)
+    xs = x.reshape(x.shape[:-1] + (S, K // S))
+    ws = w.reshape(w.shape[0], S, K // S)
+    return jnp.einsum("...si,osi->s...o", xs, ws, preferred_element_type=jnp.float32)
 
 
 def rope_cos_sin(cfg: Config, positions, dtype):
@@ -436,10 +451,11 @@ def _gdn_in_proj(p: GdnParams, x):
 
 
 def _gdn_mix(cfg: Config, p: GdnParams, proj, c: GdnCache, n_pend, seg: Segment, mode: str,
-             kernels: str):
+             kernels: str, proj_parts=None):
     """The GDN mixer between in_proj and out_proj: conv window, delta rule (chunked or
-    pending replay), gated norm. proj [B, T, ...] (_gdn_in_proj). Returns
-    (y [B, T, NV*DV], c with the call's slots updated)."""
+    pending replay), gated norm. proj [B, T, ...] (_gdn_in_proj); proj_parts: the same as
+    f32 split partials [S, B, T, ...] (dense_partials), which the Pallas kernel then reads
+    instead. Returns (y [B, T, NV*DV], c with the call's slots updated)."""
     B, T, _ = proj.shape
     kc = cfg.linear_conv_kernel_dim - 1
     nk, nv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
@@ -472,9 +488,7 @@ def _gdn_mix(cfg: Config, p: GdnParams, proj, c: GdnCache, n_pend, seg: Segment,
     k = jnp.repeat(k, rep, axis=2).astype(jnp.float32)
     q = l2norm(q) * (dk ** -0.5)
     k = l2norm(k)
-    beta = jax.nn.sigmoid(b).astype(jnp.float32)
-    g = -jnp.exp(p.A_log.astype(jnp.float32)) * jax.nn.softplus(
-        a.astype(jnp.float32) + p.dt_bias.astype(jnp.float32))
+    g, beta = pk.gate_values(a, b, p.A_log, p.dt_bias)
 
     live = jnp.arange(T)[None, :] < seg.n_valid[:, None]           # [B, T]
     k = jnp.where(live[..., None, None], k, 0.0)
@@ -490,16 +504,36 @@ def _gdn_mix(cfg: Config, p: GdnParams, proj, c: GdnCache, n_pend, seg: Segment,
     else:
         # The kernel reads and writes the first B slots of the whole state in place; anything
         # else works on the call's slots.
-        o, S = gdn_math.step(c.state if _first_slots(seg.lane0) else cv.state, cv.pend_k, cv.pend_v, cv.pend_g,
-                             cv.pend_beta, n_pend, q, k, v, g, beta, kernels,
-                             live=seg.n_valid > 0)
         # The block's T pending slots and KC-1+T conv rows are written in place, not all P
         # (K + 1) of them: the next step reads only its first n_pend <= T slots and rows
         # [n_pend, n_pend + KC-1), so what lies past T is never read. A depth-0 step of a
         # K-slot engine then writes what the stock step writes.
         at = lambda a, u: lax.dynamic_update_slice(
             a, u.astype(a.dtype), (seg.lane0,) + (0,) * (a.ndim - 1))
-        state = S if S.shape == c.state.shape and _first_slots(seg.lane0) else at(c.state, S)
+        first = _first_slots(seg.lane0)
+        # The Pallas kernel (on the cache's first slots, one program per head) computes
+        # the gates itself, writes the new pending buffers in place after its replay read
+        # the old ones and applies the output norm: on the H200 that saves the gate
+        # kernels, the pending writes (and the two copies of pend_v per layer XLA made to
+        # write it beside the kernel's read) and the norm kernel (issue 36).
+        # The conv output goes in packed, q and k as raw key-head rows (the kernel
+        # normalises them); rows past a lane's valid tokens are not masked: their outputs
+        # and pending slots are never used (n_pend <= n_valid).
+        if kernels != "reference" and first:
+            y, S, pk_, pv_, pg_, pb_ = gdn_math.step(
+                c.state, c.pend_k, c.pend_v, c.pend_g, c.pend_beta, n_pend, mixed, None, None,
+                None, None, kernels, live=seg.n_valid > 0,
+                gates=(proj if proj_parts is None else proj_parts, p.A_log, p.dt_bias),
+                gate_offset=cd + nv * dv, write_pending=True, norm_weight=p.norm,
+                norm_offset=cd, norm_eps=cfg.rms_norm_eps, key_heads=nk,
+                ab_dtype=None if proj_parts is None else proj.dtype)
+            return y.reshape(B, T, nv * dv), GdnCache(
+                conv=at(c.conv, xs), state=S, pend_k=pk_, pend_v=pv_, pend_g=pg_,
+                pend_beta=pb_)
+        o, S = gdn_math.step(c.state if first else cv.state, cv.pend_k, cv.pend_v, cv.pend_g,
+                             cv.pend_beta, n_pend, q, k, v, g, beta, kernels,
+                             live=seg.n_valid > 0)
+        state = S if S.shape == c.state.shape and first else at(c.state, S)
         y = gated_rmsnorm(o.astype(proj.dtype), z, p.norm, cfg.rms_norm_eps)
         return y.reshape(B, T, nv * dv), GdnCache(
             conv=at(c.conv, xs), state=state, pend_k=at(c.pend_k, k), pend_v=at(c.pend_v, v),
@@ -513,12 +547,33 @@ def _gdn_mix(cfg: Config, p: GdnParams, proj, c: GdnCache, n_pend, seg: Segment,
 # Decoder layers and the whole model
 # --------------------------------------------------------------------------------------------
 
-def full_layer(cfg, p: FullLayer, h, kv, seg, cos, sin, kernels="reference"):
-    x, kv = attention_block(cfg, p.attn, rmsnorm_1p(h, p.input_layernorm, cfg.rms_norm_eps),
-                            kv, seg, cos, sin, kernels)
-    h = h + x
-    h = h + mlp_block(cfg, p.mlp, rmsnorm_1p(h, p.post_attention_layernorm, cfg.rms_norm_eps))
-    return h, kv
+def full_layer(cfg, p: FullLayer, h, kv, seg, cos, sin, kernels="reference", final_norm=None):
+    """One full-attention decoder layer (the MTP's): (h after it, kv); with final_norm,
+    (rmsnorm_1p(h after it, final_norm), kv). Its adds ride with the norms (add_norm)."""
+    eps = cfg.rms_norm_eps
+    out = _residual_out(cfg, kernels, h)
+    _, x = add_norm(h, None, p.input_layernorm, eps, kernels)
+    o, kv = _attend_gated(cfg, p.attn, dense(x, p.attn.qkv), kv, seg, cos, sin, kernels)
+    h, x = add_norm(h, out(o, p.attn.o_proj), p.post_attention_layernorm, eps, kernels)
+    d = mlp_block(cfg, p.mlp, x, out)
+    if final_norm is not None:
+        return add_norm(h, d, final_norm, eps, kernels)[1], kv
+    return h + (d if d.ndim == h.ndim else jnp.sum(d, 0).astype(h.dtype)), kv
+
+
+PARTIALS_MAX_ROWS = 16
+
+
+def _residual_out(cfg: Config, kernels: str, h):
+    """The projections whose outputs go into the residual: on the Pallas path (one device),
+    for at most PARTIALS_MAX_ROWS token rows (decode and verify steps: where a GEMM is split
+    over its contraction anyway, and the partials cost next to nothing; a prefill chunk's
+    would cost S times its output), as split-K partials that the next add + RMSNorm kernel
+    sums (dense_partials); else row_parallel."""
+    rows = h.size // h.shape[-1]
+    if kernels != "reference" and cfg.tp_axis is None and rows <= PARTIALS_MAX_ROWS:
+        return dense_partials
+    return partial(row_parallel, cfg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -552,12 +607,26 @@ def _uncat(y, shapes: list):
     return out
 
 
-def _layer(cfg: Config, kind: str, p, h, c, groups, n_pends, ropes, kernels: str):
-    """One decoder layer over every group's tokens: h is _cat form [N, H] (or [B, T, H] for
-    one group). Returns (h, this layer's cache)."""
+def add_norm(h, d, w, eps, kernels: str):
+    """(h + d, rmsnorm_1p(h + d, w)); d None: (h, rmsnorm_1p(h, w)). The Pallas kernels make it
+    one kernel with both outputs (pallas_kernels/rmsnorm.py: XLA made three on the H200);
+    the reference path runs the model's own ops."""
+    if kernels == "reference":
+        if d is not None:
+            h = h + d
+        return h, rmsnorm_1p(h, w, eps)
+    return pk.add_rmsnorm(h, d, w, eps=eps, interpret=kernels == "interpret")
+
+
+def _layer(cfg: Config, kind: str, p, h, d, c, groups, n_pends, ropes, kernels: str):
+    """One decoder layer over every group's tokens: h + d is its input (d: the previous
+    layer's MLP output, not yet added, so the add rides with this layer's input norm; None
+    for the first layer), in _cat form [N, H] (or [B, T, H] for one group). Returns
+    (h, the MLP output to add to it, this layer's cache)."""
     eps = cfg.rms_norm_eps
     shapes = [g.tokens.shape for g in groups]
-    x = rmsnorm_1p(h, p.input_layernorm, eps)
+    h, x = add_norm(h, d, p.input_layernorm, eps, kernels)
+    out = _residual_out(cfg, kernels, h)
     if kind == FULL:
         parts = []
         for g, qkv, (cos, sin) in zip(groups, _uncat(dense(x, p.attn.qkv), shapes), ropes):
@@ -568,16 +637,25 @@ def _layer(cfg: Config, kind: str, p, h, c, groups, n_pends, ropes, kernels: str
                 # audit showed two copies of every layer's K and V pool)
                 o, c = lax.optimization_barrier((o, c))
             parts.append(o)
-        mix = row_parallel(cfg, _cat(parts), p.attn.o_proj)
+        mix = out(_cat(parts), p.attn.o_proj)
     else:
         parts = []
-        for g, proj, n_pend in zip(groups, _uncat(_gdn_in_proj(p.gdn, x), shapes), n_pends):
-            y, c = _gdn_mix(cfg, p.gdn, proj, c, n_pend, g.seg, g.mode, kernels)
+        if (out is dense_partials and len(groups) == 1 and groups[0].mode == "step"
+                and p.gdn.in_proj_ba is None):
+            # a decode step alone: the in-projection as split partials that the conv fusion
+            # and the GDN kernel sum (no reduction kernel after the GEMM)
+            ip = dense_partials(x, p.gdn.in_proj)
+            projs = [(jnp.sum(ip, 0).astype(x.dtype), ip)] if ip.ndim == x.ndim + 1 else None
+        else:
+            projs = None
+        for g, proj, n_pend in zip(groups, projs or _uncat(_gdn_in_proj(p.gdn, x), shapes),
+                                   n_pends):
+            proj, proj_parts = proj if projs else (proj, None)
+            y, c = _gdn_mix(cfg, p.gdn, proj, c, n_pend, g.seg, g.mode, kernels, proj_parts)
             parts.append(y)
-        mix = row_parallel(cfg, _cat(parts), p.gdn.out_proj)
-    h = h + mix
-    h = h + mlp_block(cfg, p.mlp, rmsnorm_1p(h, p.post_attention_layernorm, eps))
-    return h, c
+        mix = out(_cat(parts), p.gdn.out_proj)
+    h, x = add_norm(h, mix, p.post_attention_layernorm, eps, kernels)
+    return h, mlp_block(cfg, p.mlp, x, out), c
 
 
 def forward(cfg: Config, params: Params, cache: Cache, tokens, seg: Segment, mode: str,
@@ -610,10 +688,11 @@ def forward_groups(cfg: Config, params: Params, cache: Cache, groups, kernels: s
              for g in groups]
     n_pends = [take_slots(cache.n_pend, g.seg.lane0, g.tokens.shape[0]) for g in groups]
     layers = []
+    d = None
     for kind, p, c in zip(cfg.layer_types, params.layers, cache.layers):
-        h, c = _layer(cfg, kind, p, h, c, groups, n_pends, ropes, kernels)
+        h, d, c = _layer(cfg, kind, p, h, d, c, groups, n_pends, ropes, kernels)
         layers.append(c)
-    h = rmsnorm_1p(h, params.final_norm, cfg.rms_norm_eps)
+    _, h = add_norm(h, d, params.final_norm, cfg.rms_norm_eps, kernels)
     n_pend = cache.n_pend
     for g in groups:
         new = jnp.zeros_like(g.seg.n_valid) if g.mode == "chunk" else g.seg.n_valid
@@ -756,8 +835,8 @@ def mtp_forward(cfg: Config, params: Params, cache: Cache, h_prev, next_tokens, 
     """
     m = params.mtp
     x, cos, sin = _mtp_input(cfg, params, h_prev, next_tokens, seg)
-    x, kv = full_layer(cfg, m.layer, x, cache.mtp, seg, cos, sin, kernels)
-    return rmsnorm_1p(x, m.norm, cfg.rms_norm_eps), dataclasses.replace(cache, mtp=kv)
+    x, kv = full_layer(cfg, m.layer, x, cache.mtp, seg, cos, sin, kernels, final_norm=m.norm)
+    return x, dataclasses.replace(cache, mtp=kv)
 
 
 def _mtp_input(cfg: Config, params: Params, h_prev, next_tokens, seg: Segment):

@@ -9,6 +9,7 @@ from pallas_kernels.fp8_matmul import fp8_matmul, fp8_matmul_reference
 from pallas_kernels.gated_delta import (
     chunk_gated_delta,
     chunk_gated_delta_reference,
+    gate_values,
     gated_delta_verify,
     gated_delta_verify_reference,
     recurrent_gated_delta_reference,
@@ -20,6 +21,7 @@ from pallas_kernels.paged_attention import (
     write_kv,
     write_kv_reference,
 )
+from pallas_kernels.rmsnorm import add_rmsnorm, add_rmsnorm_reference
 from pallas_kernels.tuned_block_sizes import (
     FP8_MATMUL_TABLE,
     GATED_DELTA_TABLE,
@@ -33,6 +35,8 @@ from pallas_kernels.tuned_block_sizes import (
 )
 
 __all__ = [
+    "add_rmsnorm",
+    "add_rmsnorm_reference",
     "FP8_MATMUL_TABLE",
     "GATED_DELTA_TABLE",
     "PAGED_ATTENTION_TABLE",
@@ -43,6 +47,7 @@ __all__ = [
     "chunk_gated_delta_reference",
     "fp8_matmul",
     "fp8_matmul_reference",
+    "gate_values",
     "gated_delta_verify",
     "gated_delta_verify_reference",
     "get_fp8_matmul_tuning",

@@ -310,13 +310,93 @@ def _verify_kernel(
     q_ref,  # [T, DK]           new queries
     k_ref,  # [T, DK]
     v_ref,  # [T, bv]
-    g_ref,  # f32[T]
-    b_ref,  # f32[T]
-    o_ref,  # [T, bv]           outputs of the new tokens
-    s_out_ref,  # f32[DK, bv]   committed state S_c (aliases s_in)
-    *,
+    g_ref,  # f32[T]            (gated: [T, C] the rows of the tensor holding b and a)
+    b_ref,  # f32[T]            (gated: the same [T, C] block, unused)
+    *rest,  # gated: A_log f32[1], dt_bias f32[1] of this head; norm: w [DV]; then the
+    # outputs: o_ref [T, bv] outputs of the new tokens (norm: the gated-normed outputs);
+    # s_out_ref f32[DK, bv] committed state S_c (aliases s_in); with write_pend_v,
+    # pv_out_ref [P, bv] (aliases pv_ref); with write_pending (bv = DV: one program per
+    # head), pk_out, pv_out, pg_out, pb_out (alias the pending inputs): rows [0, T) take
+    # this block's values once the replay has read the old ones
     n_new: int,
+    gated: bool = False,
+    gate_offset: int = 0,
+    n_heads: int = 0,
+    write_pend_v: bool = False,
+    write_pending: bool = False,
+    norm_offset: int = -1,
+    norm_eps: float = 0.0,
+    qk_l2norm: bool = False,
+    ab_splits: int = 0,
+    ab_dtype=None,
 ):
+  head = pl.program_id(1)   # (read here: the interpreter has no program_id under pl.when)
+  norm = norm_offset >= 0
+  if gated:
+    alog_ref, dtb_ref, *rest = rest
+  if norm:
+    nw_ref, *rest = rest
+  o_ref, s_out_ref, *rest = rest
+  pv_out_ref = rest[0] if write_pend_v else None
+  if write_pending:
+    pk_out_ref, pv_out_ref, pg_out_ref, pb_out_ref = rest
+
+  def ab_at(t, idx):
+    """The in-projection's row t at idx; from split partials: their f32 sum rounded to the
+    projection's dtype (the GEMM's output)."""
+    if not ab_splits:
+      return g_ref[t, idx]
+    x = g_ref[0, t, idx]
+    for j in range(1, ab_splits):
+      x = x + g_ref[j, t, idx]
+    return x.astype(ab_dtype)
+
+  def gates(t):
+    """(g_t, beta_t) of new token t: read, or (gated) computed as the model does."""
+    if not gated:
+      return g_ref[t], b_ref[t]
+    b_raw = ab_at(t, gate_offset + head)
+    a = ab_at(t, gate_offset + n_heads + head).astype(jnp.float32) + dtb_ref[0].astype(jnp.float32)
+    softplus = jnp.maximum(a, 0.0) + jnp.log1p(jnp.exp(-jnp.abs(a)))
+    # sigmoid in f32, rounded once to b's dtype (gate_values)
+    beta = (1.0 / (1.0 + jnp.exp(-b_raw.astype(jnp.float32)))).astype(b_raw.dtype)
+    return -jnp.exp(alog_ref[0].astype(jnp.float32)) * softplus, beta.astype(jnp.float32)
+
+  def new_qk(t):
+    """(q_t, k_t) f32 of new token t: as passed, or (qk_l2norm) the raw conv outputs
+    L2-normalised (eps 1e-6), q scaled by DK^-0.5, as mtpjax.model does."""
+    q_t = q_ref[t, :].astype(jnp.float32)
+    k_t = k_ref[t, :].astype(jnp.float32)
+    if qk_l2norm:
+      q_t = q_t * lax.rsqrt(jnp.sum(q_t * q_t) + 1e-6) * (q_t.shape[0] ** -0.5)
+      k_t = k_t * lax.rsqrt(jnp.sum(k_t * k_t) + 1e-6)
+    return q_t, k_t
+
+  def store_pending():
+    if write_pend_v or write_pending:
+      for t in range(n_new):
+        pv_out_ref[t, :] = v_ref[t, :].astype(pv_out_ref.dtype)
+    if write_pending:
+      for t in range(n_new):
+        pk_out_ref[t, :] = new_qk(t)[1].astype(pk_out_ref.dtype)
+        g_t, b_t = gates(t)
+        pg_out_ref[t] = g_t.astype(pg_out_ref.dtype)
+        pb_out_ref[t] = b_t.astype(pb_out_ref.dtype)
+
+  def output(t, o):
+    """o_t [DV] f32 -> what the kernel stores: o itself, or (norm) the GDN output norm of
+    mtpjax.model.gated_rmsnorm on o rounded to z's dtype: rmsnorm (plain weight), then the
+    SiLU(z) gate, z read from the in-projection rows at norm_offset + head * DV."""
+    if not norm:
+      return o.astype(o_ref.dtype)
+    dt = o_ref.dtype
+    x = o.astype(dt).astype(jnp.float32)
+    y = (x * lax.rsqrt(jnp.mean(x * x) + norm_eps)).astype(dt)
+    y = (nw_ref[...].astype(dt) * y).astype(jnp.float32)
+    dv = o.shape[0]
+    z = ab_at(t, pl.ds(norm_offset + head * dv, dv)).astype(jnp.float32)
+    return (y * (z / (1.0 + jnp.exp(-z)))).astype(dt)
+
   def step(s, k_t, v_t, g_t, b_t):
     s = jnp.exp(g_t) * s
     pred = jnp.sum(s * k_t[:, None], axis=0)  # [bv] = S.T @ k
@@ -328,10 +408,11 @@ def _verify_kernel(
                 pg_ref[p], pb_ref[p])
 
   def new_token(t, s):
-    s = step(s, k_ref[t, :].astype(jnp.float32), v_ref[t, :].astype(jnp.float32),
-             g_ref[t], b_ref[t])
-    o = jnp.sum(s * q_ref[t, :].astype(jnp.float32)[:, None], axis=0)  # S.T @ q
-    o_ref[t, :] = o.astype(o_ref.dtype)
+    g_t, b_t = gates(t)
+    q_t, k_t = new_qk(t)
+    s = step(s, k_t, v_ref[t, :].astype(jnp.float32), g_t, b_t)
+    o = jnp.sum(s * q_t[:, None], axis=0)  # S.T @ q
+    o_ref[t, :] = output(t, o)
     return s
 
   # An idle lane's state is neither read nor written (it stays in place: s_out aliases
@@ -341,6 +422,7 @@ def _verify_kernel(
   def _idle():
     for t in range(n_new):
       o_ref[t, :] = jnp.zeros(o_ref.shape[1:], o_ref.dtype)
+    store_pending()
 
   @pl.when(live_ref[0] != 0)
   def _run():
@@ -348,10 +430,14 @@ def _verify_kernel(
     # Only the first n_pend slots are read; slots beyond may hold anything.
     s = lax.fori_loop(0, n_pend_ref[0], replay, s)
     s_out_ref[...] = s
+    store_pending()       # after the replay: the new block replaces the pending values
     lax.fori_loop(0, n_new, new_token, s)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
+@functools.partial(jax.jit, static_argnames=("interpret", "tuning", "write_pend_v",
+                                             "gate_offset", "write_pending", "norm_offset",
+                                             "norm_eps", "qk_l2norm", "key_heads",
+                                             "ab_dtype"))
 def gated_delta_verify(
     state: jax.Array,
     pend_k: jax.Array,
@@ -362,13 +448,23 @@ def gated_delta_verify(
     q: jax.Array,
     k: jax.Array,
     v: jax.Array,
-    g: jax.Array,
-    beta: jax.Array,
+    g: jax.Array | None,
+    beta: jax.Array | None,
     *,
     live: jax.Array | None = None,
+    gates: tuple | None = None,
+    gate_offset: int = 0,
+    write_pend_v: bool = False,
+    write_pending: bool = False,
+    norm_weight: jax.Array | None = None,
+    norm_offset: int = -1,
+    norm_eps: float = 1e-6,
+    qk_l2norm: bool = False,
+    key_heads: int = 0,
+    ab_dtype=None,
     interpret: bool = False,
     tuning: GatedDeltaTuning | None = None,
-) -> tuple[jax.Array, jax.Array]:
+):
   """Speculative verify (or decode, T = 1) step with pending-token replay.
 
   Args:
@@ -376,8 +472,9 @@ def gated_delta_verify(
       the previous block; lane b of the call is slot b, slots >= B are neither
       read nor written (an engine step over a lane bucket passes its whole
       cache). Aliased to ``new_state``: donate it to update it in place.
-    pend_k: [B, P, H, DK], pend_v: [B, P, H, DV], pend_g, pend_beta:
-      f32[B, P, H] -- the previous block's inputs (P >= 1).
+    pend_k: [B, P, H, DK], pend_v: [B, P, H, DV] ([S >= B, P, H, DV] with
+      write_pend_v), pend_g, pend_beta: f32[B, P, H] -- the previous block's
+      inputs (P >= 1).
     n_pend: i32[B] in [0, P]: how many pending tokens to commit (accepted
       drafts of the previous round + 1; 0 when nothing is pending, e.g.
       right after prefill). Slots >= n_pend are never read.
@@ -386,19 +483,102 @@ def gated_delta_verify(
     live: bool or i32 [B], optional: lanes that run this step. An idle lane's
       state slot is neither read nor written and its outputs are zeros (its
       tokens must be padding: the reference gives the same state). None: all run.
+    gates: optional (ab [B, T, C], A_log [H], dt_bias [H]): the raw gate
+      inputs b = ab[..., o:o + H] and a = ab[..., o + H:o + 2H] for o =
+      gate_offset (static), e.g. the GDN in-projection's output as it is, so no
+      slice of it is materialised: the kernel computes g = -exp(A_log)
+      softplus(a + dt_bias) and beta = sigmoid(b) per new token itself
+      (gate_values; pass g = beta = None). No mask: rows past a lane's valid
+      tokens are padding whose outputs are unspecified.
+    write_pend_v: also return pend_v with rows [0, T) of lanes < B replaced by
+      v (the next pending values), written by the kernel after its replay has
+      read the old ones; pend_v is aliased to that output (donate it).
+    write_pending: like write_pend_v for all four pending buffers (each may
+      have lane slots >= B): rows [0, T) of lanes < B take k, v and the block's
+      g and beta (with gates: as computed, no mask; rows past a lane's valid
+      tokens are never replayed, n_pend <= n_valid). One program per head
+      (block_v = DV, the "verify_head" tuning): the replay's reads of pend_k,
+      pend_g and pend_beta are then the program's own.
+    norm_weight: [DV], with gates: the outputs come back through the GDN
+      output norm (mtpjax.model.gated_rmsnorm) instead: o rounded to ab's
+      dtype, RMSNorm over DV with this weight and norm_eps, times SiLU(z) for
+      z = ab[..., norm_offset + h * DV:...+DV] of head h, in ab's dtype. One
+      program per head, as write_pending.
+    qk_l2norm: q and k are the raw [B, T, HK, DK] key-head rows (HK divides H;
+      value head h reads key head h // (H / HK)): the kernel L2-normalises them
+      (eps 1e-6) and scales q by DK^-0.5, as the model does, and pend_k takes
+      the normalised k. With write_pending.
+    key_heads: HK > 0 (implies qk_l2norm): q is the packed conv output
+      [B, T, 2 HK DK + H DV] (raw q | raw k | v, the model's `mixed`) and k = v =
+      None: the kernel reads each head's columns from it (no slice materialised).
+    ab_dtype: with gates' ab given as f32 [S, B, T, C] split-K partial sums of
+      the in-projection (mtpjax.model.dense_partials; no reduction kernel after
+      the GEMM): the dtype their sum is rounded to (the projection's), static.
     interpret: run the Pallas interpreter.
     tuning: ``GatedDeltaTuning``; ``None`` looks up ``tuned_block_sizes``.
 
   Returns:
     (o [B, T, H, DV] in v.dtype, new_state f32[S, H, DK, DV]) where
     new_state is the state after the n_pend committed pending tokens
-    (*not* after the new tokens); slots >= B keep their input values.
+    (*not* after the new tokens); slots >= B keep their input values. With
+    write_pend_v, the new pend_v is a third result; with write_pending, the
+    new pend_k, pend_v, pend_g, pend_beta are results 3 to 6.
   """
+  per_head = write_pending or norm_weight is not None
+  if per_head and gates is None:
+    raise ValueError("write_pending and norm_weight need gates (the in-projection rows)")
+  if write_pending and write_pend_v:
+    raise ValueError("write_pending writes pend_v too: pass one of them")
+  packed = key_heads > 0
+  if packed:
+    if k is not None or v is not None:
+      raise ValueError("key_heads: q is the packed [q | k | v] rows; pass k = v = None")
+    qk_l2norm = True
+    qkv = q
+    h, dk, dv = state.shape[1:]
+    hk = key_heads
+    if (qkv.ndim != 3 or qkv.shape[-1] != 2 * hk * dk + h * dv or h % hk
+        or (2 * hk * dk) % dv):
+      raise ValueError(f"key_heads={hk}: q must be the packed [B, T, 2 HK DK + H DV="
+                       f"{2 * hk * dk + h * dv}] rows (HK dividing H={h}, 2 HK DK a "
+                       f"multiple of DV), got {qkv.shape}")
+    q = k = jax.ShapeDtypeStruct(qkv.shape[:2] + (hk, dk), qkv.dtype)
+    v = jax.ShapeDtypeStruct(qkv.shape[:2] + (h, dv), qkv.dtype)
+  if qk_l2norm and not write_pending:
+    raise ValueError("qk_l2norm needs write_pending (pend_k takes the normalised keys)")
+  rep = 1
+  if qk_l2norm:                     # the checks below see head-expanded q and k
+    hk, h = q.shape[2], v.shape[2]
+    if q.ndim != 4 or q.shape != k.shape or h % hk:
+      raise ValueError(f"qk_l2norm: q and k must be [B, T, HK, DK] with HK dividing the "
+                       f"value heads {h}, got {q.shape} and {k.shape}")
+    rep = h // hk
+    q_raw, k_raw = q, k
+    q = k = jax.ShapeDtypeStruct(q.shape[:2] + (h,) + q.shape[3:], q.dtype)
+  b, t, h, dk = q.shape
+  gated = gates is not None
+  if gated:
+    if g is not None or beta is not None:
+      raise ValueError("pass g = beta = None with gates (the kernel computes them)")
+    ab, a_log, dt_bias = _validate_gates(gates, q, gate_offset, ab_dtype)
+    g = beta = jnp.zeros(q.shape[:3], jnp.float32)      # for the checks only (unused)
   _validate_tokens("", q, k, v, g, beta)
   _validate_state(state, q, v, slots=True)
-  b, t, h, dk = q.shape
   dv = v.shape[-1]
-  _validate_tokens("pending ", pend_k, pend_k, pend_v, pend_g, pend_beta, b=b, h=h)
+  slots = write_pend_v or write_pending
+  pends = (pend_k, pend_v, pend_g, pend_beta)
+  if min(x.shape[0] for x in pends) < b:
+    raise ValueError(f"the pending buffers have {[x.shape[0] for x in pends]} lane slots, "
+                     f"the call runs {b}")
+  cut = lambda x, on: x[:b] if on else x
+  _validate_tokens("pending ", cut(pend_k, write_pending), cut(pend_k, write_pending),
+                   cut(pend_v, slots), cut(pend_g, write_pending),
+                   cut(pend_beta, write_pending), b=b, h=h)
+  if norm_weight is not None and (norm_weight.shape != (dv,) or not
+                                  0 <= norm_offset <= gates[0].shape[-1] - h * dv):
+    raise ValueError(f"norm_weight must be [DV]=[{dv}] and z = ab[..., {norm_offset}:"
+                     f"{norm_offset} + H*DV] inside ab {gates[0].shape}, got "
+                     f"{norm_weight.shape}")
   p = pend_k.shape[1]
   if pend_k.shape[-1] != dk or pend_v.shape[-1] != dv:
     raise ValueError(
@@ -406,12 +586,17 @@ def gated_delta_verify(
         f"DK={dk}/DV={dv}")
   if t < 1 or p < 1:
     raise ValueError(f"T and P must be >= 1, got T={t}, P={p}")
+  if slots and t > p:
+    raise ValueError(f"writing the pending buffers needs T <= P, got T={t}, P={p}")
   if n_pend.shape != (b,) or n_pend.dtype != jnp.int32:
     raise ValueError(f"n_pend must be int32[B={b}], got {n_pend.dtype}{list(n_pend.shape)}")
   _validate_triton_dims(dk, dv, interpret)
   if tuning is None:
-    tuning = get_gated_delta_tuning("verify", dk, dv)
+    tuning = get_gated_delta_tuning("verify_head" if per_head else "verify", dk, dv)
   bv = _block_v(dv, tuning, interpret)
+  if per_head and bv != dv:
+    raise ValueError(f"write_pending / norm_weight run one program per head: block_v must "
+                     f"be DV={dv}, got {bv}")
   n_pend = jnp.clip(n_pend, 0, p)
   if live is None:
     live = jnp.ones((b,), jnp.int32)
@@ -419,7 +604,19 @@ def gated_delta_verify(
     raise ValueError(f"live must be [B={b}], got {live.shape}")
   live = live.astype(jnp.int32)
 
-  kernel = functools.partial(_verify_kernel, n_new=t)
+  if qk_l2norm:
+    q, k = q_raw, k_raw
+  norm = norm_weight is not None
+  if packed:
+    q = k = v = qkv
+  ab_splits = ab.shape[0] if gated and ab.ndim == 4 else 0
+  out_dt = (ab_dtype or ab.dtype) if gated else None
+  kernel = functools.partial(_verify_kernel, n_new=t, gated=gated, gate_offset=gate_offset,
+                             qk_l2norm=qk_l2norm, ab_splits=ab_splits,
+                             ab_dtype=jnp.dtype(out_dt) if gated else None,
+                             n_heads=h, write_pend_v=write_pend_v,
+                             write_pending=write_pending,
+                             norm_offset=norm_offset if norm else -1, norm_eps=norm_eps)
   grid = (b, h, dv // bv)
 
   def tok_spec(n, d, col):
@@ -430,30 +627,102 @@ def gated_delta_verify(
   def scal_spec(n):
     return pl.BlockSpec((None, n, None), lambda i, j, c: (i, 0, j))
 
+  head_spec = pl.BlockSpec((1,), lambda i, j, c: (j,))
   state_spec = pl.BlockSpec((None, None, dk, bv), lambda i, j, c: (i, j, 0, c))
-  o, new_state = pl.pallas_call(
+  if packed:       # column blocks of the packed rows: q, k in units of DK, v of bv
+    v0 = 2 * key_heads * dk // bv
+    new_specs = [pl.BlockSpec((None, t, dk), lambda i, j, c: (i, 0, j // rep)),
+                 pl.BlockSpec((None, t, dk), lambda i, j, c: (i, 0, key_heads + j // rep)),
+                 pl.BlockSpec((None, t, bv), lambda i, j, c: (i, 0, v0 + j * (dv // bv) + c))]
+  else:
+    new_qk_spec = pl.BlockSpec((None, t, None, dk), lambda i, j, c: (i, 0, j // rep, 0))
+    new_specs = [new_qk_spec, new_qk_spec, tok_spec(t, bv, True)]
+  in_specs = [
+      pl.BlockSpec((1,), lambda i, j, c: (i,)),  # n_pend
+      pl.BlockSpec((1,), lambda i, j, c: (i,)),  # live
+      state_spec,
+      tok_spec(p, dk, False), tok_spec(p, bv, True), scal_spec(p), scal_spec(p),
+      *new_specs,
+      scal_spec(t), scal_spec(t),
+  ]
+  args = [n_pend, live, state, pend_k, pend_v, pend_g, pend_beta, q, k, v, g, beta]
+  if gated:
+    ab_spec = (pl.BlockSpec((ab_splits, None, t, ab.shape[-1]), lambda i, j, c: (0, i, 0, 0))
+               if ab_splits else pl.BlockSpec((None, t, ab.shape[-1]), lambda i, j, c: (i, 0, 0)))
+    in_specs[-2:] = [ab_spec, ab_spec]
+    args[-2:] = [ab, ab]
+    in_specs += [head_spec, head_spec]
+    args += [a_log, dt_bias]
+  if norm:
+    in_specs.append(pl.BlockSpec((dv,), lambda i, j, c: (0,)))
+    args.append(norm_weight)
+  out_specs = [tok_spec(t, bv, True), state_spec]
+  out_shape = [jax.ShapeDtypeStruct((b, t, h, dv), out_dt if norm else
+                                    jnp.float32 if packed else v.dtype),
+               jax.ShapeDtypeStruct(state.shape, jnp.float32)]
+  aliases = {2: 1}
+  if write_pend_v:
+    out_specs.append(tok_spec(p, bv, True))
+    out_shape.append(jax.ShapeDtypeStruct(pend_v.shape, pend_v.dtype))
+    aliases[4] = 2
+  if write_pending:
+    out_specs += [tok_spec(p, dk, False), tok_spec(p, bv, True), scal_spec(p), scal_spec(p)]
+    out_shape += [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in pends]
+    aliases.update({3: 2, 4: 3, 5: 4, 6: 5})
+  name = (f"gated_delta_verify{'_gated' if gated else ''}{'_pv' if write_pend_v else ''}"
+          f"{'_pend' if write_pending else ''}{'_norm' if norm else ''}"
+          f"{'_l2' if qk_l2norm else ''}")
+  return tuple(pl.pallas_call(
       kernel,
       grid=grid,
-      in_specs=[
-          pl.BlockSpec((1,), lambda i, j, c: (i,)),  # n_pend
-          pl.BlockSpec((1,), lambda i, j, c: (i,)),  # live
-          state_spec,
-          tok_spec(p, dk, False), tok_spec(p, bv, True), scal_spec(p), scal_spec(p),
-          tok_spec(t, dk, False), tok_spec(t, dk, False), tok_spec(t, bv, True),
-          scal_spec(t), scal_spec(t),
-      ],
-      out_specs=[tok_spec(t, bv, True), state_spec],
-      out_shape=[
-          jax.ShapeDtypeStruct((b, t, h, dv), v.dtype),
-          jax.ShapeDtypeStruct(state.shape, jnp.float32),
-      ],
-      input_output_aliases={2: 1},
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      input_output_aliases=aliases,
       compiler_params=pltr.CompilerParams(num_warps=tuning.num_warps,
                                           num_stages=tuning.num_stages),
       interpret=interpret,
-      name=f"gated_delta_verify_{tuning.name}",
-  )(n_pend, live, state, pend_k, pend_v, pend_g, pend_beta, q, k, v, g, beta)
-  return o, new_state
+      name=f"{name}_{tuning.name}",
+  )(*args))
+
+
+def _validate_gates(gates, q, offset: int, ab_dtype=None):
+  """gates = (ab, A_log, dt_bias), checked; any float dtypes (the kernel reads them as f32,
+  so the caller's buffers go in as they are); ab f32 [S, B, T, C] split partials with
+  ab_dtype."""
+  if len(gates) != 3:
+    raise ValueError("gates must be (ab, A_log, dt_bias)")
+  ab, a_log, dt_bias = gates
+  bt, h = q.shape[:2], q.shape[2]
+  if ab.ndim == 4 and (ab_dtype is None or ab.dtype != jnp.float32):
+    raise ValueError(f"gates ab as split partials [S, B, T, C] must be f32 with ab_dtype "
+                     f"given, got {ab.dtype} and ab_dtype={ab_dtype}")
+  if ab.ndim == 4:
+    ab = jax.ShapeDtypeStruct(ab.shape[1:], jnp.dtype(ab_dtype))   # for the checks
+  if ab.ndim != 3 or ab.shape[:2] != bt or not 0 <= offset <= ab.shape[-1] - 2 * h:
+    raise ValueError(f"gates ab must be [B, T, C]={bt} + [C] holding b and a in columns "
+                     f"[{offset}, {offset} + 2H={offset + 2 * h}), got {ab.shape}")
+  if a_log.shape != (h,) or dt_bias.shape != (h,):
+    raise ValueError(f"A_log and dt_bias must be [H]=({h},), got {a_log.shape} and "
+                     f"{dt_bias.shape}")
+  return gates[0], a_log, dt_bias
+
+
+def _gate_inputs(gates, q, offset: int):
+  """(a, b, A_log, dt_bias) of gates = (ab, A_log, dt_bias) (see gated_delta_verify)."""
+  ab, a_log, dt_bias = _validate_gates(gates, q, offset)
+  h = q.shape[2]
+  return ab[..., offset + h:offset + 2 * h], ab[..., offset:offset + h], a_log, dt_bias
+
+
+def gate_values(a, b, a_log, dt_bias):
+  """(g, beta) f32 [B, T, H] from the raw gate inputs (spec §3.6): what the model computes and
+  what gated_delta_verify(gates=...) computes inside the kernel."""
+  f32 = jnp.float32
+  g = -jnp.exp(a_log.astype(f32)) * jax.nn.softplus(a.astype(f32) + dt_bias.astype(f32))
+  # sigmoid in f32, rounded once to b's dtype (torch's b.sigmoid() on a bf16 b; XLA's bf16
+  # logistic can land one ulp away from it, and the kernel computes it this way)
+  return g, jax.nn.sigmoid(b.astype(f32)).astype(b.dtype).astype(f32)
 
 
 # ---------------------------------------------------------------------------
@@ -559,9 +828,15 @@ def chunk_gated_delta_reference(q, k, v, g, beta, state, *, chunk_size=64):
   return o[:, :t].astype(v.dtype), s
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "tuning"))
+@functools.partial(jax.jit, static_argnames=("interpret", "tuning", "write_pend_v",
+                                             "gate_offset", "write_pending", "norm_offset",
+                                             "norm_eps", "qk_l2norm", "key_heads",
+                                             "ab_dtype"))
 def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pend,
-                                 q, k, v, g, beta, *, live=None, interpret=False, tuning=None):
+                                 q, k, v, g, beta, *, live=None, gates=None, gate_offset=0,
+                                 write_pend_v=False, write_pending=False, norm_weight=None,
+                                 norm_offset=-1, norm_eps=1e-6, qk_l2norm=False,
+                                 key_heads=0, ab_dtype=None, interpret=False, tuning=None):
   """jnp version of :func:`gated_delta_verify` (same signature and returns).
 
   Replays the pending slots with a masked loop (slots >= n_pend are selected
@@ -571,9 +846,38 @@ def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pen
   so a shallow step costs what it would on an engine with fewer slots.
   """
   del interpret, tuning
+  if gates is not None and gates[0].ndim == 4:        # split partials: the GEMM's output
+    if ab_dtype is None or gates[0].dtype != jnp.float32:
+      raise ValueError("gates ab as split partials [S, B, T, C] must be f32 with ab_dtype "
+                       "given")
+    gates = (jnp.sum(gates[0], axis=0).astype(ab_dtype),) + tuple(gates[1:])
+  if key_heads:
+    h, dk, dv = state.shape[1:]
+    bt, kd = q.shape[:2], key_heads * dk
+    q, k, v = (q[..., :kd].reshape(bt + (key_heads, dk)),
+               q[..., kd:2 * kd].reshape(bt + (key_heads, dk)),
+               q[..., 2 * kd:].reshape(bt + (h, dv)).astype(jnp.float32))
+    qk_l2norm = True
+  if qk_l2norm:
+    rep = v.shape[2] // q.shape[2]
+    l2 = lambda x: x * lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+    q = l2(jnp.repeat(q, rep, axis=2).astype(jnp.float32)) * (q.shape[-1] ** -0.5)
+    k = l2(jnp.repeat(k, rep, axis=2).astype(jnp.float32))
+  full = (pend_k, pend_v, pend_g, pend_beta)
+  full_pend_v = pend_v
+  b, t = q.shape[:2]
+  if write_pending:
+    pend_k, pend_g, pend_beta = pend_k[:b], pend_g[:b], pend_beta[:b]
+  write_pend_v = write_pend_v or write_pending
+  if gates is not None:
+    if g is not None or beta is not None:
+      raise ValueError("pass g = beta = None with gates (the kernel computes them)")
+    g, beta = gate_values(*_gate_inputs(gates, q, gate_offset))
+  if write_pend_v:
+    pend_v = pend_v[:q.shape[0]]
   _validate_tokens("", q, k, v, g, beta)
   _validate_state(state, q, v, slots=True)
-  slots, b = state, q.shape[0]
+  slots = state
   state = state[:b]
   pk, pv, pg, pb = _f32(pend_k, pend_v, pend_g, pend_beta)
   n_pend = n_pend[:b]
@@ -590,4 +894,24 @@ def gated_delta_verify_reference(state, pend_k, pend_v, pend_g, pend_beta, n_pen
   o, _ = recurrent_gated_delta_reference(q, k, v, g, beta, s_c)
   if live is not None:
     o = jnp.where(live.astype(bool)[:, None, None, None], o, 0)
+  if norm_weight is not None:
+    ab = gates[0]
+    h, dv = v.shape[2:]
+    z = ab[..., norm_offset:norm_offset + h * dv].reshape(v.shape)
+    o = _gated_rmsnorm(o.astype(ab.dtype), z, norm_weight, norm_eps)
+  put = lambda buf, x: buf.at[:b, :t].set(x.astype(buf.dtype))
+  if write_pending:
+    return (o, slots.at[:b].set(s_c)) + tuple(put(buf, x) for buf, x in
+                                              zip(full, (k, v, g, beta)))
+  if write_pend_v:
+    return o, slots.at[:b].set(s_c), put(full_pend_v, v)
   return o, slots.at[:b].set(s_c)
+
+
+def _gated_rmsnorm(o, z, w, eps):
+  """mtpjax.model.gated_rmsnorm (spec §3.1b): plain-weight RMSNorm, then the SiLU(z) gate."""
+  dt = z.dtype
+  xf = o.astype(jnp.float32)
+  y = (xf * lax.rsqrt(jnp.mean(xf * xf, axis=-1, keepdims=True) + eps)).astype(dt)
+  y = w.astype(dt) * y
+  return (y.astype(jnp.float32) * jax.nn.silu(z.astype(jnp.float32))).astype(dt)

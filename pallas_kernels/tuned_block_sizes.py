@@ -160,10 +160,14 @@ class GatedDeltaTuning:
 
 
 # key: (kernel, DK, DV). "chunk" = chunked prefill (a [C, DK] x [DK, bv]
-# matmul pipeline per chunk), "verify" = per-token recurrence (matvecs).
+# matmul pipeline per chunk), "verify" = per-token recurrence (matvecs), "verify_head" = the
+# same, one program per head (block_v = DV).
 GATED_DELTA_TABLE: dict[tuple[str, int, int], GatedDeltaTuning] = {
     ("chunk", 128, 128): GatedDeltaTuning(block_v=32, num_warps=8, num_stages=1),
     ("verify", 128, 128): GatedDeltaTuning(block_v=32, num_warps=4, num_stages=1),
+    # one program per head (pending writes and the output norm inside): the [128, 128] f32
+    # state over 8 warps, 64 registers a thread. Untimed: no GPU has run it yet.
+    ("verify_head", 128, 128): GatedDeltaTuning(block_v=128, num_warps=8, num_stages=1),
 }
 
 
@@ -173,11 +177,13 @@ def get_gated_delta_tuning(kernel: str, dk: int, dv: int) -> GatedDeltaTuning:
   The kernels clamp ``block_v`` to DV and, in interpret mode only, fall back
   to one block of DV columns when ``block_v`` does not divide DV.
   """
-  if kernel not in ("chunk", "verify"):
+  if kernel not in ("chunk", "verify", "verify_head"):
     raise ValueError(f"unknown gated-delta kernel {kernel!r}")
   hit = GATED_DELTA_TABLE.get((kernel, dk, dv))
   if hit is not None:
     return hit
+  if kernel == "verify_head":         # one program per head: all DV columns
+    return GatedDeltaTuning(block_v=next_pow2(dv))
   return GatedDeltaTuning(block_v=min(32, next_pow2(dv)))
 
 

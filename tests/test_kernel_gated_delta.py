@@ -30,6 +30,7 @@ from pallas_kernels import (
     gated_delta_verify_reference,
     recurrent_gated_delta_reference,
 )
+from pallas_kernels.gated_delta import gate_values
 
 F32_TOL = 1e-5
 BF16_TOL = 2e-2
@@ -254,6 +255,169 @@ class TestGatedDelta:
       np.testing.assert_allclose(s[i], s_ref[i], atol=F32_TOL, rtol=F32_TOL)
 
 
+  @pytest.mark.parametrize("t,p", [(3, 3), (1, 4), (2, 5)], ids=["k2", "decode", "ragged"])
+  def test_verify_gates_and_pending_values_inside_the_kernel(self, t, p):
+    """gates=(a, b, A_log, dt_bias): the kernel computes g and beta as the model does
+    (gate_values), and write_pend_v=True stores the new block's v as the next pending values
+    after the replay read the old ones, in place. Checked against the plain call on
+    gate_values and against the reference with the same options; bf16 gate inputs as in
+    the model; pending slots >= n_pend, the pend_v rows past T and the lane slots past the
+    bucket hold NaN (never read; past-T rows and slots past B must come back as they were).
+    """
+    rng = np.random.default_rng(31 + t)
+    b, slots, h, dk, dv = 3, 4, 2, 16, 32
+    n_pend = np.asarray([0, min(1, p), p], np.int32)
+    pk, pv, pg, pb = make_tokens(rng, b, p, h, dk, dv)[1:]
+    for i in range(b):
+      for x in (pk, pv, pg, pb):
+        x[i, n_pend[i]:] = np.nan
+    pv_all = np.full((slots, p, h, dv), np.nan, np.float32)
+    pv_all[:b] = pv
+    q, k, v, _, _ = make_tokens(rng, b, t, h, dk, dv)
+    bf = jnp.bfloat16
+    a = jnp.asarray(rng.standard_normal((b, t, h)), bf)
+    braw = jnp.asarray(rng.standard_normal((b, t, h)), bf)
+    a_log = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    dt_bias = jnp.asarray(rng.standard_normal(h), bf)
+    g, beta = gate_values(a, braw, a_log, dt_bias)
+    s0 = jnp.asarray(make_state(rng, b, h, dk, dv))
+    pend = tuple(map(jnp.asarray, (pk, pv, pg, pb)))
+    new = tuple(map(jnp.asarray, (q, k, v)))
+    o_want, s_want = gated_delta_verify(s0, *pend, jnp.asarray(n_pend), *new, g, beta,
+                                        interpret=self.INTERPRET,
+                                        tuning=GatedDeltaTuning(block_v=16))
+    off = 3                   # b and a inside a wider tensor, as in the model's projection
+    ab = jnp.concatenate([jnp.asarray(rng.standard_normal((b, t, off)), bf), braw, a,
+                          jnp.full((b, t, 2), jnp.nan, bf)], axis=-1)
+    kw = dict(gates=(ab, a_log, dt_bias), gate_offset=off, write_pend_v=True)
+    for fn in (functools.partial(gated_delta_verify, interpret=self.INTERPRET,
+                                 tuning=GatedDeltaTuning(block_v=16)),
+               gated_delta_verify_reference):
+      o, s, pv_new = fn(s0, pend[0], jnp.asarray(pv_all), *pend[2:], jnp.asarray(n_pend),
+                        *new, None, None, **kw)
+      assert np.isfinite(np.asarray(o)).all() and np.isfinite(np.asarray(s)).all()
+      np.testing.assert_allclose(o, o_want, atol=F32_TOL, rtol=F32_TOL)
+      np.testing.assert_allclose(s, s_want, atol=F32_TOL, rtol=F32_TOL)
+      pv_new = np.asarray(pv_new)
+      np.testing.assert_array_equal(pv_new[:b, :t], v)
+      np.testing.assert_array_equal(pv_new[:b, t:], pv_all[:b, t:])   # NaN where it was
+      assert np.isnan(pv_new[b:]).all()
+
+  @pytest.mark.parametrize("t,p", [(3, 3), (1, 4), (2, 5)], ids=["k2", "decode", "ragged"])
+  @pytest.mark.parametrize("norm", [False, True, "partials"],
+                           ids=["pending", "pending+norm", "pending+norm+partials"])
+  def test_verify_one_program_per_head_writes_every_pending_buffer(self, t, p, norm):
+    """write_pending=True (one program per head): all four pending buffers take the new
+    block (k, v as passed, g and beta as computed from the gates) in place after the replay;
+    norm_weight: the outputs come back through the GDN output norm with z read from the
+    in-projection rows. Against the plain call + gate_values + the model's gated_rmsnorm;
+    NaN in unread pending slots, in rows past T and in lane slots past the bucket; an idle
+    lane (live False) comes back zeros and keeps its state."""
+    from mtpjax.model import gated_rmsnorm
+    rng = np.random.default_rng(41 + t + 7 * bool(norm))
+    b, slots, h, dk, dv = 3, 4, 2, 16, 32
+    n_pend = np.asarray([0, min(1, p), p], np.int32)
+    pend = list(make_tokens(rng, b, p, h, dk, dv)[1:])
+    for i in range(b):
+      for x in pend:
+        x[i, n_pend[i]:] = np.nan
+    pend_all = []
+    for x in pend:
+      y = np.full((slots,) + x.shape[1:], np.nan, np.float32)
+      y[:b] = x
+      pend_all.append(y)
+    q, k, v, _, _ = make_tokens(rng, b, t, h, dk, dv)
+    bf = jnp.bfloat16
+    braw = jnp.asarray(rng.standard_normal((b, t, h)), bf)
+    a = jnp.asarray(rng.standard_normal((b, t, h)), bf)
+    z = jnp.asarray(rng.standard_normal((b, t, h * dv)), bf)
+    ab = jnp.concatenate([jnp.asarray(rng.standard_normal((b, t, 5)), bf), z, braw, a,
+                          jnp.full((b, t, 3), jnp.nan, bf)], axis=-1)
+    a_log = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    dt_bias = jnp.asarray(rng.standard_normal(h), bf)
+    w = jnp.asarray(1.0 + 0.1 * rng.standard_normal(dv), bf)
+    g, beta = gate_values(a, braw, a_log, dt_bias)
+    s0 = jnp.asarray(make_state(rng, b, h, dk, dv))
+    live = jnp.asarray([True, True, True])
+    o_want, s_want = gated_delta_verify_reference(s0, *map(jnp.asarray, pend),
+                                                  jnp.asarray(n_pend), *map(jnp.asarray,
+                                                                            (q, k, v)), g, beta)
+    if norm:
+      o_want = gated_rmsnorm(o_want.astype(bf), z.reshape(b, t, h, dv), w, 1e-6)
+    kw = dict(gates=(ab, a_log, dt_bias), gate_offset=5 + h * dv, write_pending=True,
+              live=live)
+    if norm:
+      kw.update(norm_weight=w, norm_offset=5)
+    if norm == "partials":     # ab as 3 f32 split partials whose sum is ab exactly
+      abf = ab.astype(jnp.float32)
+      part = jnp.stack([abf - 1.0, jnp.full_like(abf, 0.5), jnp.full_like(abf, 0.5)])
+      kw.update(gates=(part, a_log, dt_bias), ab_dtype=bf)
+    for fn in (functools.partial(gated_delta_verify, interpret=self.INTERPRET),
+               gated_delta_verify_reference):
+      o, s, *new_pend = fn(s0, *map(jnp.asarray, pend_all), jnp.asarray(n_pend),
+                           *map(jnp.asarray, (q, k, v)), None, None, **kw)
+      assert np.isfinite(np.asarray(o, np.float32)).all()
+      tol = dict(atol=2e-2, rtol=2e-2) if norm else dict(atol=F32_TOL, rtol=F32_TOL)
+      np.testing.assert_allclose(np.asarray(o, np.float32), np.asarray(o_want, np.float32),
+                                 **tol)
+      np.testing.assert_allclose(s, s_want, atol=F32_TOL, rtol=F32_TOL)
+      for got, old, x in zip(new_pend, pend_all, (k, v, g, beta)):
+        got = np.asarray(got)
+        np.testing.assert_allclose(got[:b, :t], np.asarray(x), atol=1e-6, rtol=1e-6)
+        np.testing.assert_array_equal(got[:b, t:], old[:b, t:])
+        assert np.isnan(got[b:]).all()
+
+  @pytest.mark.parametrize("t", [1, 3], ids=["decode", "k2"])
+  @pytest.mark.parametrize("packed", [False, True], ids=["qkv", "packed"])
+  def test_verify_normalises_raw_key_head_rows_inside(self, t, packed):
+    """qk_l2norm=True: q and k come as the raw [B, T, HK, DK] key-head rows (value head h
+    reads key head h // (H / HK)); the kernel L2-normalises them, scales q and stores the
+    normalised k as pending. key_heads=HK: the same from the packed [q | k | v] rows (the
+    model's conv output). Against the plain per-head call on the model's expanded,
+    normalised q and k."""
+    rng = np.random.default_rng(51 + t)
+    b, p, hk, rep, dk, dv = 2, 4, 2, 3, 16, 32
+    h = hk * rep
+    n_pend = np.asarray([1, p], np.int32)
+    pend = [jnp.asarray(x) for x in make_tokens(rng, b, p, h, dk, dv)[1:]]
+    bf = jnp.bfloat16
+    q = jnp.asarray(rng.standard_normal((b, t, hk, dk)), bf)
+    k = jnp.asarray(rng.standard_normal((b, t, hk, dk)), bf)
+    v = jnp.asarray(rng.standard_normal((b, t, h, dv)), bf).astype(jnp.float32)
+    ab = jnp.asarray(rng.standard_normal((b, t, 2 * h)), bf)
+    a_log = jnp.asarray(rng.standard_normal(h), jnp.float32)
+    dt_bias = jnp.asarray(rng.standard_normal(h), bf)
+    l2 = lambda x: x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + 1e-6)
+    qx = l2(jnp.repeat(q, rep, axis=2).astype(jnp.float32)) * dk ** -0.5
+    kx = l2(jnp.repeat(k, rep, axis=2).astype(jnp.float32))
+    s0 = jnp.asarray(make_state(rng, b, h, dk, dv))
+    kw = dict(gates=(ab, a_log, dt_bias), write_pending=True)
+    want = gated_delta_verify_reference(s0, *pend, jnp.asarray(n_pend), qx, kx, v, None, None,
+                                        **kw)
+    for fn in (functools.partial(gated_delta_verify, interpret=self.INTERPRET),
+               gated_delta_verify_reference):
+      if packed:
+        qkv = jnp.concatenate([q.reshape(b, t, -1), k.reshape(b, t, -1),
+                               v.reshape(b, t, -1).astype(bf)], axis=-1)
+        got = fn(s0, *pend, jnp.asarray(n_pend), qkv, None, None, None, None,
+                 key_heads=hk, **kw)
+      else:
+        got = fn(s0, *pend, jnp.asarray(n_pend), q, k, v, None, None, qk_l2norm=True, **kw)
+      for x, y in zip(got, want):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=F32_TOL, rtol=F32_TOL)
+
+  def test_verify_gates_reject_g_and_beta(self):
+    a = jnp.zeros((1, 1, 4), jnp.float32)
+    args = _verify_args(b=1, p=1, t=1)
+    with pytest.raises(ValueError, match="g = beta = None"):
+      gated_delta_verify(**args, gates=(a, jnp.zeros(2), jnp.zeros(2)),
+                         interpret=self.INTERPRET)
+    args.update(g=None, beta=None)
+    with pytest.raises(ValueError, match="holding b and a"):
+      gated_delta_verify(**args, gates=(a, jnp.zeros(2), jnp.zeros(2)), gate_offset=1,
+                         interpret=self.INTERPRET)
+
+
 if jax.default_backend() == "gpu":
 
   class TestGatedDeltaCompiled(TestGatedDelta):
@@ -400,6 +564,63 @@ def test_verify_lowers_for_cuda_at_27b_shapes(b, t):
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "__gpu$xla.gpu.triton" in text and "gated_delta_verify_" in text
   assert "tf.aliasing_output" in text  # the state buffer is updated in place
+
+
+@pytest.mark.parametrize("b,t", [(1, 1), (1, 5), (8, 3)], ids=["decode", "verify-k4", "verify-k2"])
+def test_fused_verify_lowers_for_cuda_at_27b_shapes(b, t):
+  """gates inside and the pending values written by the kernel, at the 27B's widths: state
+  and pend_v both updated in place (two aliased outputs), a lane bucket of a larger cache."""
+  bf, f32 = jnp.bfloat16, jnp.float32
+  p, slots = 5, max(b, 2)
+  args = (_sds((slots, H, DK, DV), f32), _sds((b, p, H, DK), f32), _sds((slots, p, H, DV), f32),
+          _sds((b, p, H), f32), _sds((b, p, H), f32), _sds((b,), jnp.int32),
+          _sds((b, t, H, DK), bf), _sds((b, t, H, DK), bf), _sds((b, t, H, DV), bf))
+  proj = 2 * 16 * DK + H * DV + 2 * H       # the 27B's GDN in-projection: [qkv | z | b | a]
+  gates = (_sds((b, t, proj), bf), _sds((H,), f32), _sds((H,), bf))
+
+  def fn(state, pk, pv, pg, pb, n, q, k, v, gates):
+    return gated_delta_verify(state, pk, pv, pg, pb, n, q, k, v, None, None, gates=gates,
+                              gate_offset=proj - 2 * H, write_pend_v=True)
+
+  text = jax.jit(fn, donate_argnums=(0, 2)).trace(*args, gates).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert "__gpu$xla.gpu.triton" in text and "gated_delta_verify_gated_pv_" in text
+  assert text.count("tf.aliasing_output") == 2, "state and pend_v in place"
+
+
+@pytest.mark.parametrize("b,t", [(1, 1), (1, 5), (8, 3)], ids=["decode", "verify-k4", "verify-k2"])
+@pytest.mark.parametrize("l2", [False, True, "packed", "partials"],
+                         ids=["", "qk-l2norm", "packed", "packed+partials"])
+def test_per_head_verify_lowers_for_cuda_at_27b_shapes(b, t, l2):
+  """The one-program-per-head form (every pending buffer written in place, the output norm
+  inside) at the 27B's widths: five aliased outputs (state and the four pending buffers)."""
+  bf, f32 = jnp.bfloat16, jnp.float32
+  p, slots = 5, max(b, 2)
+  args = (_sds((slots, H, DK, DV), f32), _sds((slots, p, H, DK), f32),
+          _sds((slots, p, H, DV), f32), _sds((slots, p, H), f32), _sds((slots, p, H), f32),
+          _sds((b,), jnp.int32), _sds((b, t, 16 if l2 else H, DK), bf),
+          _sds((b, t, 16 if l2 else H, DK), bf), _sds((b, t, H, DV), bf))
+  proj = 2 * 16 * DK + H * DV + 2 * H
+  gates = (_sds((b, t, proj), bf), _sds((H,), f32), _sds((H,), bf))
+
+  def fn(state, pk, pv, pg, pb, n, q, k, v, gates, w):
+    kw = dict(gates=gates, gate_offset=proj - 2 * H, write_pending=True, norm_weight=w,
+              norm_offset=2 * 16 * DK)
+    if l2 == "packed":       # the conv output [q | k | v] as the kernel's one qkv operand
+      return gated_delta_verify(state, pk, pv, pg, pb, n, gates[0][..., :2 * 16 * DK + H * DV],
+                                None, None, None, None, key_heads=16, **kw)
+    if l2 == "partials":     # and the in-projection as 4 f32 split-K partials
+      parts = jnp.stack([gates[0].astype(f32)] * 4)
+      kw["gates"] = (parts,) + gates[1:]
+      return gated_delta_verify(state, pk, pv, pg, pb, n, gates[0][..., :2 * 16 * DK + H * DV],
+                                None, None, None, None, key_heads=16, ab_dtype=bf, **kw)
+    return gated_delta_verify(state, pk, pv, pg, pb, n, q, k, v, None, None, qk_l2norm=l2,
+                              **kw)
+
+  text = jax.jit(fn, donate_argnums=(0, 1, 2, 3, 4)).trace(
+      *args, gates, _sds((DV,), bf)).lower(lowering_platforms=("cuda",)).as_text()
+  assert ("gated_delta_verify_gated_pend_norm" + ("_l2" if l2 else "") + "_bv128_w8") in text
+  assert text.count("tf.aliasing_output") == 5, "state and the pending buffers in place"
 
 
 def test_compiled_block_v_below_16_is_rejected():
