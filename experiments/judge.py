@@ -265,7 +265,7 @@ def candidate_policy(jc: JudgeConfig, k: int, context_offset: int = 0):
     if not (k and jc.adaptive):
         return None
     if context_offset:
-        from mtpjax.depth import AdaptiveDepth
+        from mtpjax.engine.depth import AdaptiveDepth
         return AdaptiveDepth(context_offset=context_offset)
     return "adaptive"
 

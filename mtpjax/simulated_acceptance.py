@@ -145,18 +145,6 @@ class Simulator:
         f[list(lanes)] = self.draw(k, real_drafts)
         return f
 
-    def apply(self, extras, batch, bucket: int):
-        """The step's steps.Extras with forced_accept set for batch.rows (a
-        scheduler.StepBatch; the real drafts per lane from batch.view, else the depth)."""
-        import dataclasses
-
-        import jax.numpy as jnp
-        lanes = [r.lane for r in batch.rows]
-        real = ([ln.drafts for ln in batch.view.lanes] if batch.view is not None
-                else [batch.k] * len(lanes))
-        return dataclasses.replace(extras, forced_accept=jnp.asarray(
-            self.forced(batch.k, lanes, real, bucket)))
-
     def report(self) -> dict:
         p = self.profile
         return {"profile": p.name, "tokens_per_verify_step": list(p.tokens_per_verify_step),

@@ -151,8 +151,8 @@ def test_a_long_context_is_priced_not_run():
 def test_the_depth_policy_keys_costs_by_the_priced_context():
     """AdaptiveDepth(context_offset=N) files a step's cost under the context the clock priced
     (the lanes' + N), so a long-context run's depths follow long-context costs."""
-    from mtpjax.depth import AdaptiveDepth, context_bucket
-    from mtpjax.scheduler import LaneView, RequestStats, StepView
+    from mtpjax.engine.depth import AdaptiveDepth, context_bucket
+    from mtpjax.engine.scheduler import LaneView, RequestStats, StepView
     view = StepView(2, 2, (LaneView(0, 40, 2, RequestStats.for_depth(2)),), 1, 0)
     for off, want in ((0, 256), (32768, context_bucket(32768 + 40, 256))):
         pol = AdaptiveDepth(context_offset=off)
