@@ -11,6 +11,7 @@ COMMANDS = {
     ('bf16', 0, 16): (
         'python -m experiments aot --kernel_counts --num_speculative_tokens=0 --kernel_lanes=1,8,16 --kernel_prefill=16,64 --programs=decode_k0_b1,decode_k0_b8,decode_k0_b16,move_lane,snapshot_save,snapshot_restore,prefill_t64,prefill_t16 --out_dir=runs/aot_kc_k0',
         'python -m experiments aot --kernel_counts --num_speculative_tokens=0 --kernel_lanes=1,8 --kernel_prefill=16,64 --kernel_mixed_depths=0 --kernel_mixed_chunks=64 --programs=prefill_t16,prefill_t64,mixed_k0_t64_b1,mixed_k0_t64_b8 --out_dir=runs/aot_kc_k0_iter',
+        'python -m experiments aot --kernel_counts --num_speculative_tokens=0 --kernel_lanes=1,8,16 --kernel_prefill=64 --programs=decode_k0_b1,decode_k0_b8,decode_k0_b16 --out_dir=runs/aot_kc_k0_kern',
     ),
     ('bf16', 1, 16): (
         'python -m experiments aot --kernel_counts --num_speculative_tokens=1 --kernel_lanes=1,8,16 --kernel_prefill=16,64 --programs=decode_k0_b1,decode_k1_b1,decode_k0_b8,decode_k1_b8,decode_k0_b16,decode_k1_b16,prefill_t16,prefill_t64,move_lane,snapshot_save,snapshot_restore --out_dir=runs/aot_kc_k1',
@@ -26,9 +27,9 @@ COMMANDS = {
 
 COUNTS = {
     ('bf16', 0, 16): {
-        ('decode', 0, 1): 1707,
-        ('decode', 0, 8): 1329,
-        ('decode', 0, 16): 1313,
+        ('decode', 0, 1): 884,
+        ('decode', 0, 8): 827,
+        ('decode', 0, 16): 811,
         ('mixed', 0, 1, 64): 2238,
         ('mixed', 0, 8, 64): 2153,
         ('move_lane',): 584,
@@ -87,9 +88,9 @@ COUNTS = {
 
 AUDIT = {
     ('bf16', 0, 16): {
-        ('decode', 0, 1): (51772977468, 1024, 0),
-        ('decode', 0, 8): (55969062330, 1024, 0),
-        ('decode', 0, 16): (60544658738, 1024, 0),
+        ('decode', 0, 1): (51819863392, 1024, 0),
+        ('decode', 0, 8): (55797684201, 1024, 0),
+        ('decode', 0, 16): (60201902931, 1024, 0),
         ('mixed', 0, 1, 64): (63054833600, 1024, 960),
         ('mixed', 0, 8, 64): (68113615117, 1024, 960),
         ('move_lane',): (629221704, 1024, 0),
