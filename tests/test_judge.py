@@ -513,8 +513,9 @@ def test_busy_page_use_is_time_weighted_per_step():
     several tokens per step is not charged for the moments after a request ends."""
     from types import SimpleNamespace as NS
 
-    class Clock:
+    class Clock:                # a cost_model.VirtualClock's interface, nothing priced
         now, device_s, host_s, launches = 0.0, 0.0, 0.0, {}
+        device_range, offset_prefill_s = {"fast": 0.0, "mid": 0.0, "slow": 0.0}, 0.0
 
     class Fake:
         max_lanes, depth_steps, clock = 2, [0], Clock()

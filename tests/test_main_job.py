@@ -31,9 +31,12 @@ import sys
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WARMUP_BUDGET = 22_000        # measured 19,316 (34 programs): 14% headroom
 PEAK_BUDGET = 26_000          # measured 21,273: 22% headroom; half of vm.max_map_count is 32,765
-# the busy workload at its default 32 requests: its validity check (page use >= 0.9 while
-# requests wait) needs enough waiting to be measured; 20 requests measured 0.906
+# The busy workload at its default 32 requests, and its validity floor (page use while
+# requests wait) at 0.8, not the judge's 0.9: 12-token replies turn the pool over four times
+# as fast as the judge's 48, and a single pass measured 0.906 on a quiet machine and under 0.9
+# with a second test process beside it (CI); the default judge measures 0.92-0.94
 SMALL_RUN = ["--passes=1", "--solo_requests=1", "--team_requests=8", "--busy_requests=32",
+             "--busy_page_use_floor=0.8",
              "--gate_prompts=4", "--chat_conversations=2", "--chat_turns=2",
              "--max_new_tokens=12", "--fidelity_tokens=10"]
 

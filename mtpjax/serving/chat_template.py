@@ -81,8 +81,17 @@ class ChatTemplate:
         variables = dict(variables or {})
         if self.source is None:
             return render_fallback(messages, add_generation_prompt, tools, variables)
-        # a variable the template never reads would be dropped without a word (a client's
-        # typo, or a kwarg meant for another model's template): refuse it by name
+        return render_jinja(self.source, messages, add_generation_prompt, tools,
+                            variables={**self.special_tokens, **variables})
+
+
+    def check_variables(self, variables: Mapping[str, Any]) -> None:
+        """A client's template variables (the server's chat_template_kwargs): one the template
+        never reads would be dropped without a word (a typo, or a kwarg meant for another
+        model's template), so it is refused by name (TemplateVariableError). Callers that set
+        well-known variables whatever the template (TextEngine's enable_thinking) skip this."""
+        if self.source is None:
+            return                      # render_fallback refuses all but enable_thinking
         unknown = set(variables) - RESERVED - template_variables(self.source)
         if unknown:
             known = sorted(template_variables(self.source) - RESERVED - set(self.special_tokens))
@@ -90,8 +99,6 @@ class ChatTemplate:
                 f"the chat template ({self.origin}) reads no variable "
                 f"{', '.join(repr(u) for u in sorted(unknown))}; it reads "
                 f"{', '.join(repr(k) for k in known) or 'none'}")
-        return render_jinja(self.source, messages, add_generation_prompt, tools,
-                            variables={**self.special_tokens, **variables})
 
 
 def load_chat_template(folder: str) -> ChatTemplate:

@@ -177,6 +177,7 @@ def render_chat(req: ChatCompletionRequest, template: ChatTemplate) -> str:
     refuses the conversation, on 'chat_template_kwargs' when it refuses a variable)."""
     messages = [m.template_dict() for m in req.messages]
     try:
+        template.check_variables(req.chat_template_kwargs)
         return template.render(messages, True, req.active_tools, req.chat_template_kwargs)
     except TemplateVariableError as e:
         raise APIError(f"'chat_template_kwargs': {e}", "chat_template_kwargs") from None
