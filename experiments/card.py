@@ -169,12 +169,15 @@ def render_md(c: dict) -> str:
         lines.append("Lossless gate: **not applicable** (simulated acceptance: the candidate "
                      "emitted drafts the profile accepted, not the model's tokens).")
     lines += [""] + render_depth_md(c)
-    lines += ["", "Per-step time (ms, median over passes; draft + verify + accept run as one program"
-              + ("; step: modelled H200 device time, host: measured here" if h200 else "")
+    lines += ["", "Per-step time (ms, median over passes; draft + verify + accept run as one program;"
+              " host: the device waiting for the host, work: the host's own time, overlapped or not"
+              + ("; step: modelled H200 device time, host work: measured here" if h200 else "")
               + "):", ""]
     for w, sp in c["step_time_ms"].items():
-        lines.append(f"- {w}: stock step {sp['stock']['step_s']:.2f} + host {sp['stock']['host_s']:.2f}; "
-                     f"candidate step {sp['candidate']['step_s']:.2f} + host {sp['candidate']['host_s']:.2f}; "
+        lines.append(f"- {w}: stock step {sp['stock']['step_ms']:.2f} + host {sp['stock']['host_ms']:.2f} "
+                     f"(work {sp['stock']['host_work_ms']:.2f}); "
+                     f"candidate step {sp['candidate']['step_ms']:.2f} + host {sp['candidate']['host_ms']:.2f} "
+                     f"(work {sp['candidate']['host_work_ms']:.2f}); "
                      f"prefill/request stock {sp['stock']['prefill_ms_per_request']:.1f}, candidate {sp['candidate']['prefill_ms_per_request']:.1f}")
     if c.get("draft_verify_ms"):
         dv = c["draft_verify_ms"]
@@ -227,10 +230,13 @@ def render_host_md(c: dict) -> list[str]:
     wl = (c.get("h200") or {}).get("workloads", {})
     if not wl:
         return []
-    lines = ["Host time on the clock (timed passes; measured on this machine, added to the "
-             "modelled device time):", ""]
+    lines = ["Host time on the clock (timed passes; host work measured on this machine; the "
+             "modelled device waits for it only where it is longer than the launch it runs "
+             "beside):", ""]
     for w, v in wl.items():
-        part = lambda e: (f"{e['host_s']:.3f} s host of {e['host_s'] + e['device_s']:.3f} s "
+        part = lambda e: (f"{e['host_s']:.3f} s waiting for the host (of "
+                          f"{e.get('host_work_s', e['host_s']):.3f} s host work) of "
+                          f"{e['host_s'] + e['device_s']:.3f} s "
                           f"({e['host_share']:.0%}; {_fmt(e.get('host_ms_per_step'), 2)} ms "
                           f"per decode step)")
         lines.append(f"- {w}: stock {part(v['stock'])}; candidate {part(v['candidate'])}")

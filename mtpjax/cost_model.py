@@ -762,6 +762,12 @@ class VirtualClock:
         self.offset_prefill_s = 0.0      # of device_s: those prefills (mid constants)
         self.device_s = 0.0
         self.host_s = 0.0
+        # two timelines: the host's (`now`) and the modelled device's (busy until
+        # device_free). A launch queues its program behind the device's work; the host waits
+        # only where it reads outputs (`wait`), so host work done while the device runs an
+        # earlier launch is hidden, and only where it is shorter than that work
+        self._host_t = 0.0
+        self.device_free = 0.0
         self.launches: collections.Counter = collections.Counter()
         # the range: each launch priced once more at the fast and slow constants (the mid
         # set is the model's own hardware, so device_range["mid"] == device_s)
@@ -772,10 +778,28 @@ class VirtualClock:
 
     @property
     def now(self) -> float:
-        return self.device_s + self.host_s
+        """The host's time: its work plus its waits for the device."""
+        return self._host_t
+
+    @property
+    def hidden_s(self) -> float:
+        """Host seconds that ran while the device was busy (the overlapped loop)."""
+        return max(self.host_s - self.idle_s, 0.0)
+
+    @property
+    def idle_s(self) -> float:
+        """Seconds the device waited for the host, up to `now` (its queue drained)."""
+        return max(self._host_t, self.device_free) - self.device_s
+
+    def wait(self, until: float | None = None) -> None:
+        """The host waits for the device: until it finishes the work queued by `until`
+        (device_free at that launch; None: everything queued)."""
+        self._host_t = max(self._host_t, self.device_free if until is None else until)
 
     def launch(self, key: tuple, contexts: Sequence[int] = (), start: int = 0,
-               is_last: bool = True) -> float:
+               is_last: bool = True, wait: bool = True) -> float:
+        """Price one program and queue it on the device; wait: the host waits for it (the
+        serial loop). Returns its modelled seconds (mid constants)."""
         off, costs = self.context_offset, []
         if off and key[0] in ("decode", "mixed", "draft", "prefill"):
             contexts = [c + off for c in contexts]
@@ -786,6 +810,9 @@ class VirtualClock:
         costs.append(self.model.program(key, contexts, start, is_last))
         s = sum(c.seconds for c in costs)
         self.device_s += s
+        self.device_free = max(self.device_free, self._host_t) + s
+        if wait:
+            self._host_t = self.device_free
         for n in self.device_range:
             hw = self.range_hw.get(n)
             self.device_range[n] += s if n == "mid" or hw is None else sum(price(c, hw)
@@ -797,11 +824,13 @@ class VirtualClock:
         if seconds < 0:
             raise ValueError(f"host seconds must be >= 0, got {seconds}")
         self.host_s += float(seconds)
+        self._host_t += float(seconds)
 
     def report(self) -> dict:
         m, hw = self.model, self.model.hw
         return {
             "device_s": self.device_s, "host_s": self.host_s, "now": self.now,
+            "idle_s": self.idle_s, "hidden_s": self.hidden_s,
             "launches": dict(self.launches),
             "device_range_s": dict(self.device_range),
             "range_hardware": {n: {f.name: getattr(h, f.name) for f in dataclasses.fields(h)

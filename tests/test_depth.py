@@ -170,7 +170,9 @@ def test_adaptive_policy_learns_from_the_engines_clock(plain, slope):
     n = sum(steps)
     assert n == e.timing["steps"] == clock.launches["decode"] + clock.launches["mixed"] > 0
     if slope:
-        assert steps[0] >= 0.7 * n, steps
+        # exploration: each cell (lane bucket x context, and each ride bucket of a step
+        # carrying a chunk) measures the neighbours of its best depth `explore` times
+        assert steps[0] >= 0.6 * n, steps
     else:
         assert steps[K] >= 0.6 * n, steps
     costs = e.policy.report()["costs_ms"]      # what it learned: the clock's prices exactly
@@ -388,3 +390,68 @@ def test_useless_head_finds_depth_zero_despite_misleading_early_samples():
     pol = AdaptiveDepth()
     picks = _drive(pol, accept=[0.0] * 2, cost=cost, steps=60, k=2)
     assert picks[15:45].count(0) >= 27, (picks, pol.report())
+
+
+class _CellRecorder(AdaptiveDepth):
+    """AdaptiveDepth that records the cell of every decision and of every measurement."""
+
+    def __post_init__(self):
+        super().__post_init__()
+        self.decided, self.observed = [], []
+
+    def __call__(self, view):
+        self.decided.append((view.bucket, view.chunk))
+        return super().__call__(view)
+
+    def observe(self, view, depth, seconds, accepted, compiled):
+        self.observed.append((view.bucket, view.chunk, depth, seconds))
+        return super().observe(view, depth, seconds, accepted, compiled)
+
+
+class _KeyedModel(_PricedModel):
+    """_PricedModel that keeps the keys of the decode and mixed programs it priced."""
+
+    def __init__(self, *a, **kw):
+        super().__init__(*a, **kw)
+        self.keys = []
+
+    def program(self, key, contexts=(), start=0, is_last=True):
+        if key[0] in ("decode", "mixed"):
+            self.keys.append(key)
+        return super().program(key, contexts, start, is_last)
+
+
+def test_policy_decides_and_learns_in_the_cell_of_the_program_that_ran(plain):
+    """Issue 37 item 5: a step carrying a prefill chunk was chosen in one cost cell (the
+    running lanes' bucket, the chunk's raw length) and recorded in another (the decoding
+    lanes' bucket), so the policy explored the chosen cell forever. Now the view names the
+    program: a decode step's lane bucket, or every lane slot and the ride bucket for a step
+    carrying a chunk; each decision's cell is the cell its step's time is recorded in, and
+    that time is the program's price."""
+    model = _KeyedModel(slope=0.5)
+    policy = _CellRecorder()
+    e = _engine(K, policy, clock=VirtualClock(model))
+    # staggered arrivals: later prompts prefill while earlier ones decode (mixed steps)
+    e.start()
+    outs = {}
+    for i, p in enumerate(PROMPTS):
+        e.submit(i, p, GREEDY)
+        for _ in range(3):
+            outs.update(e.step())
+    while e.has_work():
+        outs.update(e.step())
+    outs.update(e.stop())
+    for i, a in enumerate(plain[0]):
+        assert outs[i].token_ids == a.token_ids
+    assert len(policy.decided) == len(policy.observed) == len(model.keys)
+    mixed = 0
+    for (bucket, chunk), (ob, oc, depth, seconds), key in zip(policy.decided, policy.observed,
+                                                              model.keys):
+        assert (bucket, chunk) == (ob, oc)
+        if key[0] == "mixed":
+            mixed += 1
+            assert key == ("mixed", depth, e.lane_slots, chunk)
+        else:
+            assert key == ("decode", depth, bucket) and chunk == 0
+        assert seconds == pytest.approx(1e-3 * (1 + 0.5 * depth))
+    assert mixed > 0

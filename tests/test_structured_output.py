@@ -258,12 +258,12 @@ def test_grammar_errors():
 
 def test_a_grammar_needs_a_grammar_tokenizer(tok):
     e = engine(0)
-    src, e._grammar_src, e._grammar_tok = e._grammar_src, None, None
+    src, e.core._grammar_src, e.core._grammar_tok = e.core._grammar_src, None, None
     try:
         (out,) = e.generate([tok.encode("x = ")], SamplingParams(
             grammar=grammar.json_object_grammar()))
     finally:
-        e._grammar_src = src
+        e.core._grammar_src = src
     assert out.finish_reason == "error" and "grammar tokenizer" in out.error
 
 

@@ -22,7 +22,6 @@ The core never sees a device array; the runner never sees a request.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Callable
 
 import numpy as np
@@ -66,7 +65,7 @@ class EngineCore:
 
     def __init__(self, shapes: StepShapes, *, eos: tuple[int, ...], policy: Policy,
                  snapshot_slots: int | None, snapshot_bytes: int, every_blocks: int,
-                 mask_drafts: bool = True, simulate_acceptance=None):
+                 mask_drafts: bool = True, simulate_acceptance=None, grammar_tokenizer=None):
         self.shapes, self.eos, self.policy = shapes, eos, policy
         # timing only: each verify step accepts a seeded draw from a published profile
         self.simulated = simulated_acceptance.simulator(simulate_acceptance)
@@ -87,6 +86,8 @@ class EngineCore:
         # steps take it, and whose it is: (the Request object, tokens written)
         self._history = np.full((shapes.lane_slots, shapes.history_len), -1, np.int32)
         self._history_of: list[tuple[object, int] | None] = [None] * shapes.lane_slots
+        # structured output: the tokenizer's source (a path or an object), built at first use
+        self._grammar_src, self._grammar_tok = grammar_tokenizer, None
 
     def simulated_report(self) -> dict:
         """stats()' simulated-acceptance entry (empty when off)."""
@@ -100,7 +101,8 @@ class EngineCore:
                          max_seq_len=s.max_seq_len, prefill_chunk=s.prefill_chunk,
                          policy=self.policy, on_token=on_token, prefix_cache=self.prefix,
                          lanes=s.max_lanes, bucket=s.lane_bucket,
-                         mixed_depth=s.mixed_max_depth)
+                         mixed_depth=s.mixed_max_depth, mixed_bucket=s.lane_slots,
+                         ride_bucket=lambda n: s.chunk_bucket(n, True))
 
     def validate(self, prompt: list[int], params, sched: Scheduler) -> str | None:
         """Why the request cannot run (it then ends "error" without touching the device)."""
@@ -126,6 +128,26 @@ class EngineCore:
                     f"slots needs up to {need} pages of {s.page_size} tokens, the pool has "
                     f"{s.num_pages}")
         return None
+
+    @property
+    def grammar_tokenizer(self):
+        """The llguidance tokenizer constrained requests use (built at first use), or None."""
+        if self._grammar_tok is None and self._grammar_src is not None:
+            from mtpjax import grammar     # JAX: imported when a grammar is first used
+            self._grammar_tok = grammar.make_tokenizer(self._grammar_src,
+                                                       self.shapes.vocab_size, self.eos)
+        return self._grammar_tok
+
+    def constraint(self, spec: str):
+        """A request's grammar state (grammar.Constraint); ValueError when the engine has no
+        grammar tokenizer or the grammar is invalid."""
+        tok = self.grammar_tokenizer
+        if tok is None:
+            raise ValueError("this request has a grammar but the engine has no grammar "
+                             "tokenizer (Engine(grammar_tokenizer=...), or from_checkpoint on a "
+                             "folder with a tokenizer.json)")
+        from mtpjax import grammar
+        return grammar.Constraint(tok, spec, self.shapes.vocab_size)
 
     def request(self, request_id: int, prompt: list[int], params: SamplingParams,
                 constraint=None) -> Request:
@@ -167,8 +189,10 @@ class EngineCore:
         if not plan.rows:
             return Batch(0, 0, plan.moves, plan.restores, chunk, slot)
         # a step carrying a chunk runs every lane slot: one program per depth, not per depth
-        # and lane bucket (the idle slots are padding rows beside the chunk's tokens)
-        nb = s.lane_bucket(max(plan.decode) + 1) if chunk is None else s.lane_slots
+        # and lane bucket (the idle slots are padding rows beside the chunk's tokens). The
+        # view names the program (Scheduler._cell), so the depth policy's cell is this step's
+        nb = plan.view.bucket
+        assert nb >= max(plan.decode) + 1 and (chunk is None or nb == s.lane_slots), plan.view
         active = np.zeros(nb, bool)
         join_mask = np.zeros(nb, bool)
         join_tok = np.zeros(nb, np.int32)
@@ -346,35 +370,41 @@ class EngineCore:
         out, n_acc = result.tokens, result.accepted
         observe = getattr(self.policy, "observe", None)
         if observe is not None and plan.view is not None:
-            # a first call compiles: its wall time is no step cost (modelled time is); a step
-            # that carried a chunk is priced as such (view.chunk > 0: the policy keeps those
-            # apart, depth.AdaptiveDepth)
-            bucket = self.shapes.lane_bucket(max(plan.decode) + 1)
-            observe(dataclasses.replace(plan.view, bucket=bucket), plan.depth, result.seconds,
+            # a first call compiles: its wall time is no step cost (modelled time is). The
+            # view names the program that ran (Scheduler._cell: the cell its depth was
+            # chosen in), and result.seconds is that program's time alone (the runner times
+            # moves, restores and snapshot saves apart)
+            observe(plan.view, plan.depth, result.seconds,
                     [int(n_acc[r.lane]) for r in plan.rows], result.compiled)
         first = []
         for r in plan.rows:
-            ln = sched.lanes[r.lane]
-            if ln is None or ln.req.id != r.request_id:    # ended "error" before the step
+            # the request's lane now: in the overlapped loop the next step was planned
+            # before this one's tokens came back, and its compaction may have moved lanes.
+            # None: it ended (an error before the step, a stop or a cancel committed since,
+            # a preemption): what its lane produced here is never emitted
+            lane = sched.lane_of(r.request_id)
+            if lane is None:
                 continue
             if r.join_token is not None:
                 first.append(r.request_id)
             try:
-                sched.decode_done(r.lane, [int(t) for t in out[r.lane]], int(n_acc[r.lane]),
-                                  plan.depth, self._token_logprobs(sched, r.lane, result))
+                sched.decode_done(lane, [int(t) for t in out[r.lane]], int(n_acc[r.lane]),
+                                  plan.depth, self._token_logprobs(sched, lane, r.lane, result),
+                                  drafts=r.drafts)
             except Exception as e:  # noqa: BLE001 - this request's output processing only
-                sched.fail(r.lane, r.request_id, _why("output processing", e))
+                sched.fail(lane, r.request_id, _why("output processing", e))
         return first
 
     @staticmethod
-    def _token_logprobs(sched: Scheduler, lane: int, result: StepResult):
-        """The TokenLogprob of each token the lane emitted this step (None: not asked)."""
+    def _token_logprobs(sched: Scheduler, lane: int, row: int, result: StepResult):
+        """The TokenLogprob of each token the request in `lane` emitted this step, from the
+        result's `row` (its lane when the step ran); None: not asked."""
         n = sched.lanes[lane].req.params.logprobs
         if n is None or result.logprobs is None:
             return None
         out, n_acc = result.tokens, result.accepted
         tok, top_ids, top_lp = result.logprobs
-        return [TokenLogprob(int(out[lane, j]), float(tok[lane, j]),
+        return [TokenLogprob(int(out[row, j]), float(tok[row, j]),
                              tuple((int(i), float(v)) for i, v in
-                                   zip(top_ids[lane, j, :n], top_lp[lane, j, :n])))
-                for j in range(int(n_acc[lane]) + 1)]
+                                   zip(top_ids[row, j, :n], top_lp[row, j, :n])))
+                for j in range(int(n_acc[row]) + 1)]

@@ -1,10 +1,12 @@
 """The public engine: a façade over the engine core (host) and the model runner (device).
 
   Engine.submit ─> EngineCore.validate / request ─> Scheduler (the open session)
-  Engine.step:  Scheduler.schedule() ─> StepBatch (the plan)
+  Engine.step:  Scheduler.schedule() ─> StepBatch (plan N+1, past the steps in flight)
                 EngineCore.batch(plan, runner.read_drafts) ─> Batch (host arrays)
-                ModelRunner.run(batch) ─> StepResult (host arrays)
-                EngineCore.commit(plan, batch, result) ─> tokens to requests, on_token
+                ModelRunner.launch(batch) ─> InFlight (the device runs N+1 behind N)
+                ModelRunner.collect(step N) ─> StepResult (host arrays)
+                EngineCore.commit(plan N, batch, result) ─> tokens to requests, on_token
+  (overlap=False: launch and collect the same step, the serial loop)
 
 The façade owns what joins the two: the session, the grammar tokenizer (built lazily,
 mtpjax/grammar.py), the host-time bookkeeping of each iteration, the public attributes.
@@ -19,7 +21,7 @@ from typing import Callable, Sequence
 
 from mtpjax.config import Config
 from mtpjax.engine import snapshots
-from mtpjax.engine.batch import StepShapes
+from mtpjax.engine.batch import StepResult, StepShapes
 from mtpjax.engine.core import EngineCore, make_policy
 from mtpjax.engine.runner import ModelRunner, load_replicas
 from mtpjax.engine.scheduler import (FINISH_ERROR, Policy, RequestOutput, RequestStats,
@@ -57,7 +59,8 @@ class Engine:
                  lane_slots: int | None = None, lane_buckets: Sequence[int] | None = None,
                  pool_pages: int | None = None, clock=None, mixed_max_depth: int | None = None,
                  ride_buckets: Sequence[int] | None = None, draft_vocab=None,
-                 grammar_tokenizer=None, mask_drafts: bool = True, simulate_acceptance=None):
+                 grammar_tokenizer=None, mask_drafts: bool = True, simulate_acceptance=None,
+                 overlap: bool = True):
         k = int(num_speculative_tokens)        # K: the draft slots of every lane
         if k < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
@@ -85,7 +88,7 @@ class Engine:
             policy=policy, snapshot_slots=slots,
             snapshot_bytes=0 if slots is None else snapshots.snapshot_bytes(cfg, dtype),
             every_blocks=int(snapshot_every_blocks), mask_drafts=mask_drafts,
-            simulate_acceptance=simulate_acceptance)
+            simulate_acceptance=simulate_acceptance, grammar_tokenizer=grammar_tokenizer)
         self.runner = ModelRunner(cfg, params, shapes, pool_pages=self.core.pool_pages,
                                   kernels=kernels, tp=tp, devices=devices, mesh=mesh,
                                   draft_vocab=draft_vocab, snapshot_slots=slots,
@@ -94,7 +97,8 @@ class Engine:
         self.preemptions = 0
         self._sched: Scheduler | None = None
         self.clock = clock
-        self._grammar_src, self._grammar_tok = grammar_tokenizer, None
+        self.overlap = bool(overlap)      # plan step N+1 while the device runs step N
+        self._flight = None               # overlapped: (plan, batch, launch) not read yet
 
     # the runner's: placement, device state, programs, timing
     (cfg, params, mesh, tp, kernels, dtype, draft_ids, depth0_fills_mtp_kv, timing,
@@ -106,6 +110,8 @@ class Engine:
     # the core's: pages, prefix cache, policies
     alloc, prefix, policy, eos, pool_pages = _forwards("core", "alloc prefix policy eos pool_pages")
     mask_drafts, simulated = _forwards("core", "mask_drafts simulated", settable=True)
+    grammar_tokenizer = _forward("core", "grammar_tokenizer", doc="The llguidance tokenizer "
+                                 "constrained requests use (built at first use), or None.")
     # the shapes; K is num_draft_slots (callers' `k`), a step's depth is 0..K
     (num_draft_slots, max_lanes, lane_slots, lane_buckets, max_seq_len, prefill_chunk,
      mixed_max_depth, page_size, num_pages, pages_per_lane, history_len) = _forwards(
@@ -219,7 +225,7 @@ class Engine:
         constraint = None
         if not err and params.grammar is not None:
             try:
-                constraint = self._constraint(params.grammar)
+                constraint = self.core.constraint(params.grammar)
             except (ValueError, TypeError, OSError) as e:
                 err = str(e)
         if err:
@@ -230,24 +236,29 @@ class Engine:
         return None
 
     def has_work(self) -> bool:
-        """Whether the session has requests queued or running."""
-        return self._sched is not None and self._sched.has_work()
+        """Whether the session has requests queued or running, or a step in flight."""
+        return self._sched is not None and (self._sched.has_work() or self._flight is not None)
 
     def step(self) -> dict[int, RequestOutput]:
         """One scheduler iteration of the session (package docstring); returns the requests
-        that ended in it (finished, stopped, cancelled), by id."""
+        that ended in it (finished, stopped, cancelled), by id. Overlapped (the default): it
+        plans and launches step N+1, then reads step N's tokens while the device runs N+1."""
         sched = self._session()
-        if sched.has_work():
+        if sched.has_work() or self._flight is not None:
             t0 = self.runner.open_host()
-            plan = sched.schedule()
+            plan = sched.schedule() if sched.has_work() else None   # raises: session stays
             self.runner.wall_host(time.perf_counter() - t0)
             try:
-                batch = self.core.batch(sched, plan, self.runner.read_drafts)
-                result = self.runner.run(batch)
-                t1 = time.perf_counter()
-                first = self.core.commit(sched, plan, batch, result)
-                self.runner.wall_host(time.perf_counter() - t1)
-                self.runner.first_tokens(first)
+                now = None
+                if plan is not None:
+                    batch = self.core.batch(sched, plan, self.runner.read_drafts)
+                    now = (plan, batch, self.runner.launch(batch, serial=not self.overlap))
+                if now is not None and now[2] is None:      # nothing launched: commit now
+                    self._commit(sched, *now)
+                    now = None
+                done, self._flight = ((self._flight, now) if self.overlap else (now, None))
+                if done is not None:
+                    self._commit(sched, *done)
             except BaseException:
                 self.stop()
                 raise
@@ -255,6 +266,15 @@ class Engine:
         done, sched.finished = sched.finished, {}
         self.runner.forget(done)
         return done
+
+    def _commit(self, sched: Scheduler, plan, batch, flight) -> None:
+        """Read a launch's outputs (None: it launched nothing) and apply them to requests."""
+        result = self.runner.collect(flight) if flight is not None else StepResult()
+        t1 = time.perf_counter()
+        first = self.core.commit(sched, plan, batch, result)
+        self.runner.wall_host(time.perf_counter() - t1)
+        self.runner.first_tokens(first)
+        self.runner.probe()
 
     def stop(self) -> dict[int, RequestOutput]:
         """End the session: requests still queued or running end "cancelled" (with the
@@ -265,6 +285,7 @@ class Engine:
         sched = self._sched
         if sched is None:
             return {}
+        self._flight = self.runner.drop_launches()   # a step in flight: its tokens dropped
         self.waiting_at_stop = tuple(r.id for r in sched.queue
                                      if not r.out and r.id not in sched.cancelled)
         sched.abort()
@@ -303,31 +324,9 @@ class Engine:
         self.runner.reset()
         self.core.reset()
 
-    # ---------------------------------------------------------------- structured output
-    @property
-    def grammar_tokenizer(self):
-        """The llguidance tokenizer constrained requests use (built at first use), or None."""
-        if self._grammar_tok is None and self._grammar_src is not None:
-            from mtpjax import grammar
-            self._grammar_tok = grammar.make_tokenizer(self._grammar_src, self.cfg.vocab_size,
-                                                       self.eos)
-        return self._grammar_tok
-
-    def _constraint(self, spec: str):
-        """A request's grammar state (grammar.Constraint); ValueError when the engine has no
-        grammar tokenizer or the grammar is invalid."""
-        from mtpjax import grammar
-        tok = self.grammar_tokenizer
-        if tok is None:
-            raise ValueError("this request has a grammar but the engine has no grammar "
-                             "tokenizer (Engine(grammar_tokenizer=...), or from_checkpoint on a "
-                             "folder with a tokenizer.json)")
-        return grammar.Constraint(tok, spec, self.cfg.vocab_size)
-
     # ---------------------------------------------------------------- the rest of the API
     def lane_bucket(self, busy_lanes) -> int:
-        """Lane slots a decode step runs: the smallest of `lane_buckets` that covers the
-        highest busy lane. The scheduler fills the lowest free lane first."""
+        """Lane slots a decode step over `busy_lanes` runs (the smallest bucket covering)."""
         return self.shapes.lane_bucket(max(busy_lanes) + 1)
 
     def request_logprobs(self, request_id: int) -> list[TokenLogprob] | None:

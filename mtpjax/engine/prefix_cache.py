@@ -202,8 +202,14 @@ class PrefixCache:
             pass
 
     def reclaimable(self) -> int:
-        """Pages that evicting every entry would free (held by the cache and no lane)."""
-        return int(self.alloc.cache_only().sum()) if self.entries else 0
+        """Pages that evicting every entry would free (held by the cache and no lane; not a
+        pending entry's: its snapshot save may still be in flight, it cannot be evicted)."""
+        if not self.entries:
+            return 0
+        only = self.alloc.cache_only()
+        for e in self.pending.values():
+            only[list(e.pages + e.charge)] = False
+        return int(only.sum())
 
     def clear(self) -> None:
         self.abandon_pending()

@@ -12,7 +12,8 @@ set of programs run so far, and the timing of every program it launches.
      prefill chunk riding in it when there is one (key ("mixed", depth, lane_slots, T)),
      or the chunk alone (("prefill", T));
   4. the snapshot save of the chunk's lane when the record names a slot;
-and returns a `batch.StepResult` of host arrays (tokens, accepted counts, log probabilities
+each timed to completion (a step's seconds, which the depth policy learns from, are its own
+program's, not the moves' before it or the previous prefill's still running), and returns a `batch.StepResult` of host arrays (tokens, accepted counts, log probabilities
 when a lane asked). It reads nothing else: no scheduler, no request, no engine core.
 
 Warm-up (`warmup_plan`, `warmup`) compiles every program a run can reach; `shape_key` says
@@ -85,8 +86,47 @@ def load_replicas(path: str, dtype: str, num_draft_slots: int, tp: int, dp: int,
 
 
 def _timing() -> dict:
-    return {"prefill_s": 0.0, "step_s": 0.0, "host_s": 0.0, "steps": 0, "plain_steps": 0,
-            "mixed_steps": 0, "prefill_chunks": 0, "lane_moves": 0}
+    # host_s: seconds the device waited for the host (between one launch's last program
+    # finishing and the next launch); host_work_s: the host's own seconds between launches
+    # (with a clock; overlapped work hides part of them)
+    return {"prefill_s": 0.0, "step_s": 0.0, "host_s": 0.0, "host_work_s": 0.0, "steps": 0,
+            "plain_steps": 0, "mixed_steps": 0, "prefill_chunks": 0, "lane_moves": 0,
+            "moves_s": 0.0, "launches": 0, "overlapped": 0}
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A launched record whose outputs the host has not read yet (ModelRunner.launch).
+
+    Times are perf_counter seconds on this host. The step program's own time is
+    ready - max(launched, the previous launch's end), where `ready` is the first time its
+    outputs were seen ready (probe) or the moment a blocking read returned: an upper bound
+    when the host looked late, exact when the host was waiting for it."""
+    batch: Batch
+    key: tuple
+    outputs: tuple | None        # device (tokens, accepted, logprobs) of a decode step
+    want: bool                   # a lane asked for log probabilities
+    tail: object                 # the launch's last device output (its snapshot save, ...)
+    launched: float              # when the step program was launched
+    modelled: float              # its price on the clock (0.0 without one)
+    clean: bool                  # no other program of this launch ran before it
+    compiled: bool               # its first run (its wall time is no step cost)
+    busy_seen: float = 0.0       # the last time the launch's tail was seen still running
+    ready_seen: float | None = None   # the first time the step's outputs were seen ready
+    tail_seen: float | None = None    # the first time the tail was seen ready
+    clock_end: float = 0.0       # with a clock: when the modelled device finishes it
+
+
+def _live(x) -> list:
+    """x's device arrays that no later program has consumed (donated buffers are deleted
+    when the next launch takes them: that launch queued behind them, so their end is read
+    at its launch, `probe`, or not at all)."""
+    return [a for a in jax.tree.leaves(x) if isinstance(a, jax.Array) and not a.is_deleted()]
+
+
+def _ready(x) -> bool:
+    """Whether every live device array of x has been computed (no wait)."""
+    return all(a.is_ready() for a in _live(x))
 
 
 class ModelRunner:
@@ -138,6 +178,11 @@ class ModelRunner:
         self._submitted: dict[int, float] = {}   # clock: request id -> clock time of submit
         self._no_masks: dict[tuple[int, int], jax.Array] = {}   # (lanes, depth) -> all -1
         self._no_extras: dict[int, steps.Extras] = {}             # lanes -> all off
+        self._last: InFlight | None = None   # the last launch (wall: the device's idle time)
+        self._prev_end = 0.0                 # wall: when the last collected launch ended
+        self._excluded = 0.0                 # callers' callback seconds since the last launch
+        self._idle_mark = 0.0                # clock: its idle_s when timing last followed it
+        self._uncollected = 0                # launches whose outputs were not read yet
 
     # ---------------------------------------------------------------- device state
     def _device_state(self):
@@ -193,6 +238,7 @@ class ModelRunner:
                                      f"{want}: it would price programs of other shapes")
             self.timing.setdefault("ttft_s", 0.0)
             self.timing.setdefault("first_tokens", 0)
+            self._idle_mark = clock.idle_s
         self._clock = clock
 
     def open_host(self) -> float:
@@ -204,19 +250,28 @@ class ModelRunner:
         """With a clock: the open host segment ends now (clock.add_host)."""
         if self.clock is not None:
             self._add_host(time.perf_counter() - self._mark)
+            self._sync_idle()
+
+    def _sync_idle(self) -> None:
+        """With a clock: timing["host_s"] follows the clock's device idle time."""
+        idle = self.clock.idle_s
+        self.timing["host_s"] += idle - self._idle_mark
+        self._idle_mark = idle
 
     def wall_host(self, seconds: float) -> None:
-        """Without a clock: host seconds measured by the caller (scheduling, bookkeeping)."""
+        """Without a clock: host seconds of the caller's own work (scheduling, bookkeeping),
+        overlapped or not (timing["host_work_s"]; the device's idle time is host_s)."""
         if self.clock is None:
-            self.timing["host_s"] += seconds
+            self.timing["host_work_s"] += seconds
 
     def exclude(self, seconds: float) -> None:
         """Seconds the caller's callbacks took inside the open host segment: not ours."""
         self._mark += seconds
+        self._excluded += seconds
 
     def _add_host(self, seconds: float) -> None:
         self.clock.add_host(seconds)
-        self.timing["host_s"] += seconds
+        self.timing["host_work_s"] += seconds
 
     def submitted(self, request_id: int) -> None:
         """With a clock: a request was submitted now (its time to first token starts)."""
@@ -249,23 +304,37 @@ class ModelRunner:
     def _program(self, key: tuple, run: Callable[[], tuple], contexts: Sequence[int] = (),
                  start: int = 0, is_last: bool = True) -> tuple[tuple, float]:
         """Launch one program: run() calls it and returns its outputs. Without a clock that is
-        all (returns (outputs, 0.0)). With one, the host segment open since the last program
-        closes (clock.add_host), the program runs until its outputs are ready (this device's
-        compute is not host time) and the clock advances by its price at these shapes;
-        returns (outputs, modelled seconds)."""
+        all (returns (outputs, 0.0)): dispatch is asynchronous. With one, the host segment
+        open since the last program closes (clock.add_host), the program runs here until its
+        outputs are ready (this machine's compute is neither host time nor the modelled
+        device's) and the clock queues it on the modelled device at its price at these
+        shapes, without the host waiting for it (`collect` waits); returns (outputs,
+        modelled seconds)."""
         if self.clock is None:
             return run(), 0.0
         t0 = time.perf_counter()
         self._add_host(t0 - self._mark)
         out = jax.block_until_ready(run())
         self._mark = time.perf_counter()
-        return out, self.clock.launch(key, contexts, start, is_last)
+        return out, self.clock.launch(key, contexts, start, is_last, wait=False)
 
     # ---------------------------------------------------------------- one step
     def run(self, batch: Batch) -> StepResult:
-        """Run one record (module docstring): moves, restores, drafts, ONE program, the
-        snapshot save; returns its host outputs."""
+        """Run one record and read its outputs (launch, then collect: the serial loop)."""
+        flight = self.launch(batch)
+        return StepResult() if flight is None else self.collect(flight)
+
+    def launch(self, batch: Batch, serial: bool = True) -> InFlight | None:
+        """Launch one record (module docstring) without reading its outputs: moves,
+        restores, drafts, ONE program, the snapshot save. None when it runs no program.
+        serial: the caller reads the outputs before planning more (the moves are then timed
+        apart from the step; in the overlapped loop they are not waited for, and the step's
+        time is not clean)."""
         clocked = self.clock is not None
+        t_moves = time.perf_counter()
+        self.probe()
+        self._gap(t_moves)
+        self._excluded = 0.0
         for src, dst in batch.moves:
             (self.cache, self.state), _ = self._program(("move_lane",), lambda: steps.move_lane(
                 self.cache, self.state, jnp.int32(src), jnp.int32(dst), mesh=self.mesh))
@@ -274,44 +343,131 @@ class ModelRunner:
             (self.cache, self.snaps), _ = self._program(
                 ("snapshot_restore",), lambda: snapshots.restore(
                     self.cache, self.snaps, jnp.int32(lane), jnp.int32(slot), mesh=self.mesh))
+        others = bool(batch.moves or batch.restores)
+        if others and serial and not clocked:
+            # each program is timed to completion: dispatch is asynchronous, so a move's or
+            # restore's work would otherwise land in the step's seconds (the depth policy's)
+            jax.block_until_ready((self.cache, self.state))
+            self.timing["moves_s"] += time.perf_counter() - t_moves
         key = batch.key
         if key is None:                       # nothing to run (e.g. every request cancelled)
-            return StepResult()
+            if others:
+                self._last = InFlight(batch, ("moves",), None, False, (self.cache, self.state),
+                                      time.perf_counter(), 0.0, False, False,
+                                      clock_end=self._clock_end())
+            return None
         if batch.drafts is not None:
             self._write_drafts(batch.drafts)
         c = batch.chunk
         chunk = None if c is None else self._chunk(c)
         t0 = time.perf_counter()
-        out = n_acc = lps = None
+        outputs, want = None, False
         if batch.decodes:
-            out, n_acc, lps, modelled = self._decode(batch, chunk)
+            outputs, want, modelled = self._decode(batch, chunk)
+            tail = outputs[1]
         else:
             self.cache, modelled = self._program(key, lambda: steps.prefill_chunk(
                 self.cfg, self.params, self.cache, chunk, k=self.num_draft_slots,
                 kernels=self.kernels, mesh=self.mesh), start=c.start, is_last=False)
+            tail = self.cache
         compiled = key not in self._programs
         self._programs.add(key)
-        t1 = time.perf_counter()
-        seconds = modelled if clocked else t1 - t0
-        if c is not None:
+        if c is not None and batch.snapshot_slot is not None:
+            # a boundary the prefix cache took: save (prefill work, whichever program
+            # carried the chunk; its time is the launch's, after the step's outputs)
+            (self.cache, self.snaps), saved = self._program(
+                ("snapshot",), lambda: snapshots.save(
+                    self.cache, self.snaps, jnp.int32(c.lane),
+                    jnp.int32(batch.snapshot_slot), mesh=self.mesh))
+            self.timing["prefill_s"] += saved
+            tail = self.snaps
+        self.timing["launches"] += 1
+        self.timing["overlapped"] += self._uncollected > 0   # launched behind a running step
+        self._uncollected += 1
+        flight = InFlight(batch, key, outputs, want, tail, t0, modelled,
+                          not others or (serial and not clocked), compiled and not clocked,
+                          clock_end=self._clock_end())
+        self._last = flight
+        return flight
+
+    def drop_launches(self) -> None:
+        """The caller will not collect the launches in flight (a session ended): they still
+        run, in order, before anything launched later; their outputs are never read."""
+        self._uncollected, self._last = 0, None
+        if self.clock is not None:
+            self.clock.wait()
+
+    def _clock_end(self) -> float:
+        """With a clock: when the modelled device finishes what is queued so far."""
+        return 0.0 if self.clock is None else self.clock.device_free
+
+    def probe(self) -> None:
+        """Note, without waiting, whether the last launch has finished (its readiness is what
+        the step's time and the device's idle time are read from)."""
+        f = self._last
+        if f is None or self.clock is not None or f.tail_seen is not None:
+            return
+        now = time.perf_counter()
+        if f.outputs is not None and f.ready_seen is None:
+            if not _ready(f.outputs[1]):
+                f.busy_seen = now
+                return
+            f.ready_seen = now
+        if _ready(f.tail):
+            f.tail_seen = now
+        else:
+            f.busy_seen = now
+
+    def _gap(self, now: float) -> None:
+        """Without a clock: the device's idle time before a launch at `now`: from the last
+        launch's end (at most the last time it was seen running) to now; 0 when it is still
+        running (the new launch queues behind it: the host is hidden)."""
+        f = self._last
+        if f is None or self.clock is not None or f.tail_seen is None:
+            return
+        self.timing["host_s"] += max(0.0, now - max(f.busy_seen, f.launched) - self._excluded)
+        self._last = None
+
+    def collect(self, flight: InFlight) -> StepResult:
+        """Read a launched record's outputs (waiting for them) and account its time."""
+        clocked = self.clock is not None
+        batch = flight.batch
+        self._uncollected -= 1
+        if clocked:
+            self.clock.wait(flight.clock_end)
+            self._sync_idle()
+            seconds = flight.modelled
+        else:
+            prev_end = self._prev_end
+            if flight.outputs is not None and flight.ready_seen is None:
+                if not _ready(flight.outputs[1]):
+                    jax.block_until_ready(flight.outputs[1])
+                flight.ready_seen = time.perf_counter()
+            if flight.tail_seen is None:
+                if not _ready(flight.tail):
+                    jax.block_until_ready(_live(flight.tail))
+                    flight.busy_seen = time.perf_counter()
+                flight.tail_seen = time.perf_counter()
+            done = flight.ready_seen if flight.outputs is not None else flight.tail_seen
+            seconds = max(done - max(flight.launched, prev_end), 0.0)
+            self._prev_end = flight.tail_seen
+        if batch.chunk is not None:
             self.timing["prefill_chunks"] += 1
-            if batch.snapshot_slot is not None:    # a boundary the prefix cache took: save
-                (self.cache, self.snaps), saved = self._program(
-                    ("snapshot",), lambda: snapshots.save(
-                        self.cache, self.snaps, jnp.int32(c.lane),
-                        jnp.int32(batch.snapshot_slot), mesh=self.mesh))
-                # the save is prefill work, whichever program carried the chunk
-                self.timing["prefill_s"] += saved if clocked else time.perf_counter() - t1
         if not batch.decodes:
             self.timing["prefill_s"] += seconds
-            return StepResult(seconds=seconds, compiled=compiled and not clocked)
+            return StepResult(seconds=seconds, compiled=flight.compiled)
+        out, n_acc, lps = flight.outputs
         self.timing["step_s"] += seconds          # a decode step, with its chunk if it has one
-        self.timing["mixed_steps"] += c is not None
+        self.timing["mixed_steps"] += batch.chunk is not None
         self.timing["steps"] += 1
         self.timing["plain_steps"] += batch.depth == 0
         self.depth_steps[batch.depth] += 1
-        # a first call compiles: its wall time is no step cost (modelled time is)
-        return StepResult(out, n_acc, lps, seconds, compiled and not clocked)
+        # the log probabilities come back only when a request asked for them
+        lps = tuple(np.asarray(x) for x in lps) if flight.want else None
+        # a first call compiles, and a step behind other programs of its launch is not
+        # timed alone: neither is a step cost for the depth policy (modelled time is)
+        return StepResult(np.asarray(out), np.asarray(n_acc), lps, seconds,
+                          flight.compiled or not flight.clean)
 
     def _write_drafts(self, drafts: np.ndarray) -> None:
         """The corrected drafts become the lane state's, placed as the state's drafts are,
@@ -328,8 +484,9 @@ class ModelRunner:
                            jnp.int32(c.start), jnp.int32(c.n_valid), jnp.asarray(c.page_table))
 
     def _decode(self, batch: Batch, chunk):
-        """Launch the decode step of the record (with the chunk when given); returns (tokens
-        [B, depth+1], accepted [B], log probabilities or None, modelled seconds)."""
+        """Launch the decode step of the record (with the chunk when given); returns its
+        device outputs (tokens [B, depth+1], accepted [B], log probabilities), whether a
+        lane wants the log probabilities, and the modelled seconds."""
         nb, depth, s = batch.lanes, batch.depth, batch.sampling
         join = steps.Join(jnp.asarray(batch.join_mask), jnp.asarray(batch.join_tokens),
                           jnp.asarray(batch.join_positions))
@@ -343,15 +500,15 @@ class ModelRunner:
                                                      -1, jnp.int32)
             allowed = self._no_masks[nb, depth]
         extras, want = self._extras(batch)
-        (self.cache, self.state, out, n_acc, lps), modelled = self._program(
+        (self.cache, self.state, *outputs), modelled = self._program(
             batch.key, lambda: steps.decode_step(
                 self.cfg, self.params, self.cache, self.state, lanes, jnp.asarray(batch.active),
                 jnp.asarray(batch.page_table), join, chunk, allowed, extras, k=depth,
                 kernels=self.kernels, mesh=self.mesh, fill_mtp_kv=self.depth0_fills_mtp_kv),
             list(batch.contexts), start=0 if batch.chunk is None else batch.chunk.start)
-        # the log probabilities come back only when a request asked for them
-        lps = tuple(np.asarray(x) for x in lps) if want else None
-        return np.asarray(out), np.asarray(n_acc), lps, modelled
+        for x in outputs[:2] + (list(outputs[2]) if want else []):
+            x.copy_to_host_async()           # on its way while the host plans the next step
+        return tuple(outputs), want, modelled
 
     def _extras(self, batch: Batch) -> tuple[steps.Extras, bool]:
         """The record's steps.Extras and whether a row wants log probabilities; one cached

@@ -138,6 +138,11 @@ class Lane:
     restore: int | None = None   # prefix hit: snapshot slot to load before its next prefill
     reset: bool = False       # its GDN state belongs to seq (a chunk from 0 ran, or a restore)
     snapped: int = 0          # its last snapshot boundary (prefix cache)
+    # the overlapped loop: tokens the lane's launched, not yet committed decode steps may
+    # still emit (at most depth + 1 each); its next step is planned past them
+    inflight: int = 0
+    held: collections.deque = dataclasses.field(default_factory=collections.deque)  # real
+    # drafts the lane held for each of those steps, oldest first (its BatchRow.drafts)
 
     @property
     def prefilling(self) -> bool:
@@ -148,7 +153,12 @@ class Lane:
     @property
     def ready(self) -> bool:
         """Prefilled up to its last token, which joins the next decode step."""
-        return self.pos < 0 and not self.prefilling
+        return self.pos < 0 and not self.inflight and not self.prefilling
+
+    @property
+    def decoding(self) -> bool:
+        """It has joined decode (its join step may still be in flight)."""
+        return self.pos >= 0 or self.inflight > 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,7 +225,8 @@ class StepView:
     lanes: tuple[LaneView, ...]   # the decoding lanes, in lane order
     bucket: int               # lane slots the step runs (the engine's lane bucket)
     step: int                 # scheduler iteration
-    chunk: int = 0            # tokens of the prefill chunk riding in the step (0: none)
+    chunk: int = 0            # the prefill chunk riding in the step, padded to its ride
+                              # bucket (the program's shape; 0: none)
 
     @property
     def context(self) -> int:
@@ -261,7 +272,8 @@ class Scheduler:
                  policy: Policy | None = None,
                  on_token: Callable[[int, list[int]], None] | None = None,
                  prefix_cache: PrefixCache | None = None, lanes: int | None = None,
-                 bucket: Callable[[int], int] | None = None, mixed_depth: int | None = None):
+                 bucket: Callable[[int], int] | None = None, mixed_depth: int | None = None,
+                 mixed_bucket: int | None = None, ride_bucket: Callable[[int], int] | None = None):
         self.alloc, self.max_seq_len = alloc, max_seq_len
         self.num_draft_slots = k = int(num_draft_slots)   # K: the drafts a lane can hold
         # the deepest step that carries a prefill chunk (default K): a cap bounds the programs
@@ -278,6 +290,10 @@ class Scheduler:
             raise ValueError(f"{len(self.lanes)} lanes but the allocator has "
                              f"{alloc.max_lanes} lane slots")
         self.bucket = bucket or (lambda n: min(1 << (n - 1).bit_length(), len(self.lanes)))
+        # a step carrying a chunk runs `mixed_bucket` lane slots (default: every lane) with
+        # the chunk padded to ride_bucket(tokens): the cell its view names is that program's
+        self.mixed_bucket = len(self.lanes) if mixed_bucket is None else int(mixed_bucket)
+        self.ride_bucket = ride_bucket or (lambda n: n)
         self.queue: list[Request] = []          # sorted by id
         self.finished: dict[int, RequestOutput] = {}
         # Bounded bookkeeping (a session may stay open for days): `cancelled` holds ids of live
@@ -364,8 +380,30 @@ class Scheduler:
         return (len(ln.seq) - 1) // ps * ps
 
     def _feed_pos(self, ln: Lane) -> int:
-        """Position of the first token the lane's next decode step feeds."""
-        return ln.pos if ln.pos >= 0 else len(ln.seq) - 1
+        """Position of the first token the lane's next decode step feeds: past its steps in
+        flight, at most (their tokens are not known yet: pages are reserved for the most)."""
+        return (ln.pos if ln.pos >= 0 else len(ln.seq) - 1) + ln.inflight
+
+    def _waits(self, ln: Lane) -> bool:
+        """A lane with a step in flight whose next step needs that step's tokens on the host
+        waits a step (the overlapped loop; every other lane goes on): its grammar masks and
+        penalties' history are built from its emitted tokens, and a lane that may reach its
+        token limit in flight must not run past it (nor reserve pages past its worst case,
+        `pages_worst_case`). A stop token or string needs no wait: what a step after a stop
+        produced is never emitted (the request has ended when its result is committed)."""
+        if not ln.inflight:
+            return False
+        req = ln.req
+        if req.constraint is not None or req.params.penalized:
+            return True
+        n = len(req.out) + ln.inflight
+        return (n >= req.params.max_new_tokens
+                or len(req.prompt) + n >= self.max_seq_len)
+
+    def lane_of(self, request_id: int) -> int | None:
+        """The lane slot holding request_id now (lanes move between steps), or None."""
+        return next((b for b, ln in enumerate(self.lanes)
+                     if ln is not None and ln.req.id == request_id), None)
 
     def _promised(self) -> int:
         """Pages running lanes will want soon: the rest of their prefill and their next step
@@ -407,7 +445,7 @@ class Scheduler:
 
     def _lane_view(self, b: int) -> LaneView:
         ln = self.lanes[b]
-        return LaneView(ln.req.id, self._feed_pos(ln), ln.drafts if ln.pos >= 0 else 0,
+        return LaneView(ln.req.id, self._feed_pos(ln), ln.drafts if ln.decoding else 0,
                         ln.req.stats)
 
     def schedule(self) -> StepBatch:
@@ -428,7 +466,8 @@ class Scheduler:
         joins = (pre is not None
                  and self._chunk_end(self.lanes[pre]) == len(self.lanes[pre].seq) - 1)
         decode = sorted(b for b in running
-                        if self.lanes[b].pos >= 0 or self.lanes[b].ready or (b == pre and joins))
+                        if (self.lanes[b].decoding and not self._waits(self.lanes[b]))
+                        or self.lanes[b].ready or (b == pre and joins))
         pre_need = (self.alloc.needed(pre, self._chunk_end(self.lanes[pre]))
                     if pre is not None and not joins else 0)
 
@@ -444,10 +483,10 @@ class Scheduler:
         if decode:
             top = len(running)     # busy lanes are 0..n-1 after compaction
             rides = (self._chunk_end(self.lanes[pre]) - self.lanes[pre].prefilled
-                     if pre is not None else 0)
+                     if pre is not None else None)
             view = StepView(self.num_draft_slots, max_depth,
                             tuple(self._lane_view(b) for b in decode),
-                            self.bucket(top), self.step, rides)
+                            **self._cell(top, rides), step=self.step)
             depth, bad = self._choose_depth(view)
             for b in [b for b in decode if self.lanes[b].req.id in bad]:
                 self._finish(b, FINISH_ERROR, bad[self.lanes[b].req.id])
@@ -487,15 +526,21 @@ class Scheduler:
             s, e = ln.prefilled, self._chunk_end(ln)
             work = PrefillWork(pre, s, ln.seq[s:e], ln.seq[s + 1:e + 1], e == len(ln.seq) - 1)
         rows = tuple(BatchRow(b, self.lanes[b].req.id, self._feed_pos(self.lanes[b]),
-                              self.lanes[b].drafts if self.lanes[b].pos >= 0 else 0,
-                              self.lanes[b].seq[-1] if self.lanes[b].pos < 0 else None)
+                              self.lanes[b].drafts if self.lanes[b].decoding else 0,
+                              None if self.lanes[b].decoding else self.lanes[b].seq[-1])
                      for b in decode)
         view = None
         if rows:
             view = StepView(self.num_draft_slots, max_depth,
                             tuple(self._lane_view(r.lane) for r in rows),
-                            self.bucket(len(self._running())), self.step,
-                            0 if work is None else len(work.tokens))
+                            **self._cell(len(self._running()),
+                                         None if work is None else len(work.tokens)),
+                            step=self.step)
+        for r in rows:        # in flight until committed: the device holds `depth` drafts after
+            ln = self.lanes[r.lane]
+            ln.inflight += depth + 1
+            ln.held.append(r.drafts)
+            ln.drafts = depth
         restores = []
         for b, ln in enumerate(self.lanes):
             if ln is not None and ln.restore is not None:
@@ -504,6 +549,16 @@ class Scheduler:
         self.step += 1
         return StepBatch(work, rows, depth if rows else 0, tuple(preempted), moves, view,
                          tuple(restores))
+
+    def _cell(self, top: int, rides: int | None) -> dict[str, int]:
+        """StepView's bucket and chunk (the lane bucket and chunk bucket) of the program a
+        step over running lanes 0..top-1 runs, with a chunk of `rides` tokens riding in it
+        (None: none): the cell the depth
+        policy decides in is the cell the step's time is recorded in (a chunk-carrying step
+        runs every lane slot, whichever lanes decode)."""
+        if rides is not None:      # a chunk rides (an empty one too: a fresh lane's reset)
+            return {"bucket": self.mixed_bucket, "chunk": self.ride_bucket(max(rides, 1))}
+        return {"bucket": self.bucket(top), "chunk": 0}
 
     def _choose_depth(self, view: StepView) -> tuple[int, dict[int, str]]:
         """The policy's depth for `view`, and the requests whose own input made it raise
@@ -564,11 +619,17 @@ class Scheduler:
         self.cache.publish(slot)
 
     def decode_done(self, lane: int, tokens: list[int], n_accepted: int, depth: int,
-                    logprobs: list[TokenLogprob] | None = None) -> None:
+                    logprobs: list[TokenLogprob] | None = None,
+                    drafts: int | None = None) -> None:
         """Record a decode step's tokens for the lane (tokens[:n_accepted + 1] emitted);
-        logprobs: one TokenLogprob per emitted token when the request asked for them."""
+        logprobs: one TokenLogprob per emitted token when the request asked for them;
+        drafts: the real drafts the lane held for the step (its BatchRow's; None: as the
+        scheduler recorded them when it planned the step)."""
         ln = self.lanes[lane]
         st = ln.req.stats
+        planned = ln.held.popleft() if ln.held else ln.drafts
+        held = planned if drafts is None else drafts
+        ln.inflight = max(ln.inflight - (depth + 1), 0)
         if ln.pos < 0:             # the lane joined with its last token: no drafts were real
             ln.pos = len(ln.seq) - 1
             st.first_steps += 1
@@ -577,7 +638,7 @@ class Scheduler:
         elif depth:
             if st.depth_steps:
                 st.depth_steps[depth] += 1
-            real = min(depth, ln.drafts)       # slots past the lane's drafts were empty
+            real = min(depth, held)            # slots past the lane's drafts were empty
             st.verify_steps += 1
             st.drafted_tokens += real
             st.accepted_tokens += n_accepted
@@ -589,7 +650,6 @@ class Scheduler:
                 st.depth_steps[0] += 1
             st.plain_steps += 1
         ln.pos += n_accepted + 1
-        ln.drafts = depth
         self._emit(lane, tokens[:n_accepted + 1], logprobs)
 
     def _emit(self, lane: int, toks: list[int], logprobs=None) -> None:

@@ -1,0 +1,151 @@
+"""The overlapped loop (Engine(overlap=True), the default): step N+1 is planned and launched
+before step N's tokens are read, and it changes no output.
+
+On the trained tiny checkpoint (drafts accepted and rejected, past position 1), one mixed
+batch runs through the serial loop (overlap=False) and the overlapped one: greedy, sampled
+with log probabilities, a stop token that ends a request mid-run (the step already in flight
+behind it must emit nothing), a small max_new_tokens (the lane waits rather than run past
+its limit), penalties and a grammar (those lanes wait a step: their next step needs the
+tokens on the host), and logit_bias. Tokens and finish reasons must be equal; log
+probabilities equal to float32 rounding (a waiting lane changes which rows share a step).
+The scheduler test checks the planning rules on the host alone.
+"""
+
+import os
+
+import numpy as np
+import pytest
+
+import mtpjax
+from mtpjax import grammar
+from mtpjax.engine.kv_pool import PageAllocator
+from mtpjax.engine.scheduler import Request, RequestStats, Scheduler
+from mtpjax.sampling import SamplingParams
+from mtpjax.text import Tokenizer
+
+from tiny_models import assert_drafts_accepted_and_rejected
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CKPT = os.path.join(REPO, "checkpoints", "tiny")
+ENGINE = dict(max_lanes=4, max_seq_len=128, prefill_chunk=32, prefill_buckets=[32])
+TEXTS = ["def add(a, b):\n    return", "import os\nimport sys\n\ndef main():\n",
+         "class Stack:\n    def __init__(self):\n", "for i in range(10):\n    print(",
+         "def fib(n):\n    if n < 2:\n        return n\n"]
+
+
+def _engine(overlap: bool):
+    return mtpjax.Engine.from_checkpoint(CKPT, num_speculative_tokens=3, overlap=overlap,
+                                         **ENGINE)
+
+
+@pytest.fixture(scope="module")
+def runs():
+    tok = Tokenizer.from_checkpoint(CKPT)
+    prompts = [tok.encode(t) for t in TEXTS]
+    serial = _engine(False)
+    # a stop token that ends a request mid-run: the 6th token greedy decoding gives prompt 0
+    (probe,) = serial.generate([prompts[0]], SamplingParams(temperature=0.0,
+                                                            max_new_tokens=12))
+    stop = probe.token_ids[5]
+    params = [SamplingParams(temperature=0.0, max_new_tokens=40),
+              SamplingParams(temperature=0.8, top_p=0.9, seed=3, max_new_tokens=40,
+                             logprobs=2),
+              SamplingParams(temperature=0.0, max_new_tokens=40, stop_token_ids=(stop,)),
+              SamplingParams(temperature=0.0, max_new_tokens=7),
+              SamplingParams(temperature=0.7, seed=5, max_new_tokens=30,
+                             presence_penalty=0.5, repetition_penalty=1.2),
+              SamplingParams(temperature=0.0, max_new_tokens=24,
+                             grammar=grammar.json_object_grammar()),
+              SamplingParams(temperature=1.0, seed=9, max_new_tokens=30,
+                             logit_bias=((int(prompts[1][0]), 4.0),))]
+    prompts = [prompts[0], prompts[1], prompts[0], prompts[2], prompts[3], prompts[4],
+               prompts[2]]
+    out = {}
+    for overlap, e in ((False, serial), (True, _engine(True))):
+        e.reset_timing()
+        out[overlap] = (e, e.generate(prompts, params))
+    return out, stop
+
+
+def test_overlapped_loop_equals_the_serial_loop(runs):
+    out, stop = runs
+    (es, serial), (eo, overlapped) = out[False], out[True]
+    for a, b in zip(serial, overlapped):
+        assert b.finish_reason == a.finish_reason and b.error is None
+        assert b.token_ids == a.token_ids
+        if a.logprobs is not None:
+            np.testing.assert_allclose([t.logprob for t in b.logprobs],
+                                       [t.logprob for t in a.logprobs], atol=1e-4)
+    assert serial[2].finish_reason == "stop" and serial[2].token_ids[-1] == stop
+    assert stop not in serial[2].token_ids[:-1]
+    assert len(serial[3].token_ids) == 7 and serial[3].finish_reason == "length"
+    assert_drafts_accepted_and_rejected(overlapped)
+
+
+def test_overlapped_loop_launches_ahead_and_the_serial_one_does_not(runs):
+    out, _ = runs
+    (es, _), (eo, _) = out[False], out[True]
+    assert es.timing["overlapped"] == 0
+    # most launches queue behind a step still running (the waits of the grammar, penalty
+    # and near-limit lanes, and the first launch, are the exceptions)
+    assert eo.timing["overlapped"] >= 0.6 * eo.timing["launches"], eo.timing
+    for e in (es, eo):
+        s = e.stats()
+        assert s["free_pages"] == s["total_pages"] and e._flight is None
+
+
+class _Host:
+    """A scheduler with two lanes' worth of pages, for planning without a device."""
+
+    def __init__(self, **params):
+        alloc = PageAllocator(num_pages=64, page_size=4, max_lanes=4, pages_per_lane=16)
+        self.sched = Scheduler(alloc, num_draft_slots=2, max_seq_len=64, prefill_chunk=16)
+        for i, p in enumerate(params.values()):
+            self.sched.add(Request(i, [1, 2, 3, 4, 5], p, frozenset(),
+                                   stats=RequestStats.for_depth(2)))
+
+    def plan(self):
+        """A plan, and its chunk recorded as the engine core does when it builds the step."""
+        p = self.sched.schedule()
+        if p.prefill is not None:
+            self.sched.prefill_done(p.prefill)
+        return p
+
+
+class _FakeConstraint:
+    """Stands in for a grammar that allows everything (the scheduler asks whether a request
+    has one, and feeds it the emitted tokens)."""
+    stopped = False
+
+    def consume(self, token):
+        return None
+
+
+def test_planning_past_a_step_in_flight():
+    """Two plans without a commit between them (the overlapped loop): a plain lane runs
+    again, planned at its position past the step in flight (depth + 1 tokens, the most it
+    may emit), with pages for it; a lane that needs its tokens on the host waits."""
+    plain = SamplingParams(temperature=0.0, max_new_tokens=40)
+    h = _Host(plain=plain, penalized=SamplingParams(temperature=0.0, max_new_tokens=40,
+                                                    presence_penalty=0.5),
+              short=SamplingParams(temperature=0.0, max_new_tokens=6), grammar=plain)
+    h.sched.queue[3].constraint = _FakeConstraint()
+    while True:        # one lane joins per step: commit each step until all four run
+        p = h.plan()
+        if len(p.rows) == 4:
+            break
+        for r in p.rows:                    # one token each, as the engine would commit
+            h.sched.decode_done(r.lane, [7] * (p.depth + 1), 0, p.depth)
+    first = p                               # lane 3 joins, 0-2 decode; not committed
+    assert first.depth > 0
+    second = h.plan()                       # planned before `first` is committed
+    ids = {r.request_id for r in second.rows}
+    assert ids == {0, 2}, second.rows       # penalties and the grammar wait
+    by_id = {r.request_id: r for r in first.rows}
+    for r in second.rows:
+        assert r.join_token is None         # in flight: it joined already
+        assert r.pos == by_id[r.request_id].pos + first.depth + 1
+        assert h.sched.alloc.capacity(r.lane) >= r.pos + second.depth + 1
+    third = h.plan()                        # the 6-token lane may hit its limit in flight
+    assert 2 not in {r.request_id for r in third.rows}
+    assert 0 in {r.request_id for r in third.rows}
