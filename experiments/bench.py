@@ -52,6 +52,9 @@ by term, FLOPs, kernels and seconds of each; `--checkpoint` / `--synthetic` do n
 there. `--sweep=lanes --clock=h200` runs the sweep's engines here, each on its own clock
 (real tokens, acceptance and adaptive depths; tokens/s as the cost model prices the 27B on an
 H200). `--sweep=prefix` is not on the clock yet and refuses `--clock=h200`.
+`--clock_calibration=PATH` (with `--clock=h200`, any sweep or none): the clock's constants
+from a gpu_check calibration file instead of the published ones (mtpjax/cost_model.py
+load_calibration); every report says which.
 
 `--sweep=ttft --clock=h200`: time to first token against prompt length (`--ttft_prompts`,
 default 512, 2048, 4096 tokens). One engine (`--checkpoint`, one lane, no prefix cache,
@@ -663,6 +666,7 @@ def sweep_main(log) -> None:
     if top >= cfg.vocab_size:
         raise ValueError(f"the tokenizer of {FLAGS.checkpoint} makes id {top}, outside the "
                          f"model's vocabulary of {cfg.vocab_size}")
+    clock_words = card_lib.predicted_words(FLAGS.tp, FLAGS.clock_calibration)
     header = [f"# bench --sweep=lanes: tokens/s vs lanes, fixed draft depths and adaptive",
               f"date: {date}",
               f"command: {command_line()}",
@@ -674,7 +678,7 @@ def sweep_main(log) -> None:
               f"workload: L lanes x {FLAGS.sweep_requests_per_lane} greedy requests of "
               f"{FLAGS.sweep_new_tokens} new tokens after {FLAGS.sweep_prompt_tokens}-token "
               f"held-out prompts; {FLAGS.sweep_passes} interleaved pass(es) per cell",
-              f"clock: {FLAGS.clock}" + (f" ({card_lib.predicted_words(FLAGS.tp)}: tokens, "
+              f"clock: {FLAGS.clock}" + (f" ({clock_words}: tokens, "
                                          "acceptance and depths are real)"
                                          if FLAGS.clock != "wall" else " (timed here)")]
     if FLAGS.simulate_acceptance:
@@ -687,11 +691,13 @@ def sweep_main(log) -> None:
                                 new_tokens=FLAGS.sweep_new_tokens, passes=FLAGS.sweep_passes,
                                 kernels=kernels, page_size=FLAGS.page_size, log=log,
                                 clock=FLAGS.clock,
-                                simulate_acceptance=FLAGS.simulate_acceptance)
+                                simulate_acceptance=FLAGS.simulate_acceptance,
+                                clock_calibration=FLAGS.clock_calibration)
     table = depth_sweep.format_table(res)
     doc = {"command": command_line(), "date": date, "device": info,
            "model": {**desc, "config": config_summary(cfg), "dtype": dtype},
            "kernels": kernels, "sweep": "lanes", "seed": FLAGS.seed, "clock": FLAGS.clock,
+           "clock_calibration": FLAGS.clock_calibration,
            **res, "table": table}
     log("")
     log("\n".join(header[1:]))
@@ -781,7 +787,7 @@ def ttft_prompts(stream: Sequence[int], lengths: Sequence[int]) -> list[list[int
 
 def run_ttft_sweep(cfg: Config, params: Params, prompts: Sequence[Sequence[int]], *, k: int,
                    prefill_chunk: int, kernels: str, page_size: int, weights: str = "bf16",
-                   log=print) -> list[dict]:
+                   log=print, calibration: str | None = None) -> list[dict]:
     """Each prompt alone on one clocked engine (one lane, no prefix cache: every token is
     prefilled); per prompt: ttft_ms (the clock's submit-to-first-token time, from the
     engine's timing), roofline_ms (CostModel.prefill_roofline), their ratio, and the clock's
@@ -797,7 +803,8 @@ def run_ttft_sweep(cfg: Config, params: Params, prompts: Sequence[Sequence[int]]
     if longest + 2 > max_seq_len:
         raise ValueError(f"a {longest}-token prompt does not fit the model's "
                          f"{cfg.max_position_embeddings} positions")
-    clock = _SplitClock(card_lib.make_clock("h200", k, weights=weights, page_size=page_size))
+    clock = _SplitClock(card_lib.make_clock("h200", k, weights=weights, page_size=page_size,
+                                            calibration=calibration))
     engine = Engine(cfg, params, num_speculative_tokens=k, max_lanes=1,
                     max_seq_len=max_seq_len, prefill_chunk=prefill_chunk, kernels=kernels,
                     page_size=page_size, prefix_cache=False, clock=clock)
@@ -867,7 +874,8 @@ def ttft_main(log) -> None:
     weights = card_lib.clock_weights(params)
     k = FLAGS.num_speculative_tokens
     header = [f"# bench --sweep=ttft: time to first token vs prompt length, clock h200 "
-              f"({card_lib.predicted_words()}; host time measured here)",
+              f"({card_lib.predicted_words(calibration=FLAGS.clock_calibration)}; host time "
+              "measured here)",
               f"command: {command_line()}",
               f"engine: {desc['source']} {desc['name']} ({desc['layers']} layers) run here, "
               f"dtype={dtype}, kernels={kernels}, one lane, K={k}, prefill_chunk="
@@ -876,13 +884,15 @@ def ttft_main(log) -> None:
         log(line)
     rows = run_ttft_sweep(cfg, params, ttft_prompts(stream, lens), k=k,
                           prefill_chunk=FLAGS.prefill_chunk, kernels=kernels,
-                          page_size=FLAGS.page_size, weights=weights, log=log)
+                          page_size=FLAGS.page_size, weights=weights, log=log,
+                          calibration=FLAGS.clock_calibration)
     table = format_ttft(rows)
     log("")
     log(table)
     doc = {"command": command_line(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "sweep": "ttft", "clock": "h200", "time": card_lib.predicted_words(),
+           "sweep": "ttft", "clock": "h200",
+           "time": card_lib.predicted_words(calibration=FLAGS.clock_calibration),
            "model": {**desc, "dtype": dtype}, "kernels": kernels,
            "num_speculative_tokens": k, "prefill_chunk": FLAGS.prefill_chunk,
            "page_size": FLAGS.page_size, "weights": weights, "ttft": rows, "table": table}
@@ -893,14 +903,16 @@ def ttft_main(log) -> None:
 
 
 def price_programs(batch_sizes, context_lens, k: int, *, weights: str = "bf16", tp: int = 1,
-                   page_size: int = 16) -> dict:
+                   page_size: int = 16, calibration: str | None = None) -> dict:
     """--clock=h200: the cost model's price of the programs the engine launches for the 27B,
     per (B, C): ("decode", d, B) for d = 0..k with B lanes each holding C tokens, ("draft", B)
     and ("prefill", C) (a whole prompt of C tokens in one chunk), and per (B, C) the
     break-even tokens per step of each depth (its price / depth 0's): what speculation at
-    depth d must emit per step to pay. Nothing is timed."""
-    from mtpjax.cost_model import CostModel
-    m = CostModel(weights=weights, tp=tp, K=k, page_size=page_size)
+    depth d must emit per step to pay. Nothing is timed. calibration: the clock's constants
+    from a gpu_check calibration file (the mid set; cost_model.load_calibration)."""
+    from mtpjax.cost_model import CostModel, clock_constants
+    m = CostModel(weights=weights, tp=tp, K=k, page_size=page_size,
+                  hw=clock_constants(calibration).mid)
     rows, spec = [], []
     row = lambda key, b, c, cost, tokens: {
         "program": key, "batch": b, "context_len": c, "seconds": cost.seconds,
@@ -923,12 +935,13 @@ def price_programs(batch_sizes, context_lens, k: int, *, weights: str = "bf16", 
     return {"results": rows, "speculative": spec,
             "hardware": {f: getattr(m.hw, f) for f in ("name", "hbm_bytes_per_s",
                                                        "bf16_flops_per_s", "launch_s",
-                                                       "program_s")},
+                                                       "program_s", "origin")},
             "sources": dict(m.hw.sources)}
 
 
 def format_prices(res: dict) -> str:
-    lines = [f"clock h200: {card_lib.predicted_words()}; nothing below was timed (tok/s: "
+    lines = [f"clock h200: {card_lib.predicted_words(hardware=res.get('hardware'))}; nothing "
+             "below was timed (tok/s: "
              "depth 0 and prefill only; a deeper step's tokens depend on acceptance)",
              f"{'program':18s} {'B':>3s} {'ctx':>6s} {'ms':>9s} {'tok/s':>10s} {'GB':>8s} "
              f"{'GFLOP':>9s} {'kernels':>7s}"]
@@ -951,10 +964,11 @@ def clock_main(log) -> None:
     context_lens = [int(x) for x in FLAGS.context_lens]
     weights = "fp8" if FLAGS.weights == "fp8" else "bf16"
     res = price_programs(batch_sizes, context_lens, FLAGS.num_speculative_tokens,
-                         weights=weights, tp=FLAGS.tp, page_size=FLAGS.page_size)
+                         weights=weights, tp=FLAGS.tp, page_size=FLAGS.page_size,
+                         calibration=FLAGS.clock_calibration)
     doc = {"command": command_line(),
            "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-           "clock": "h200", "time": card_lib.predicted_words(FLAGS.tp),
+           "clock": "h200", "time": card_lib.predicted_words(FLAGS.tp, FLAGS.clock_calibration),
            "model": {"name": "qwen3_5_27b", "weights": weights, "tp": FLAGS.tp},
            "num_speculative_tokens": FLAGS.num_speculative_tokens, **res}
     log(format_prices(res))
@@ -967,6 +981,7 @@ def clock_main(log) -> None:
 def main(argv):
     del argv
     log = partial(print, flush=True)
+    card_lib.check_clock_flags(FLAGS.clock, FLAGS.clock_calibration)   # before any work
     if FLAGS.sweep == "ttft":
         return ttft_main(log)
     if FLAGS.clock != "wall":

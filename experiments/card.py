@@ -16,12 +16,36 @@ CLOCK_HELP = ("wall: time as measured on this machine; h200: each engine runs he
               "an H200 at its real shapes, plus the host time measured here")
 
 
+CALIBRATION_HELP = ("--clock=h200: read the clock's constants (HBM bandwidth, cost of a "
+                    "kernel, cost of a program) from this calibration file, written by "
+                    "`python -m experiments gpu_check` on a lent GPU (--calibration_out), "
+                    "instead of the published figures and assumptions in "
+                    "mtpjax/cost_model.py; the range is built around the measured point")
+
+
 def define_clock_flag() -> None:
-    """--clock for the sub-command being imported (judge, bench, speed, serve_bench); a
-    repeated call is a no-op, as several of them share a process in tests."""
+    """--clock and --clock_calibration for the sub-command being imported (judge, bench,
+    speed, serve_bench); a repeated call is a no-op, as several of them share a process in
+    tests."""
     from absl import flags
     if "clock" not in flags.FLAGS:
         flags.DEFINE_enum("clock", "wall", list(CLOCKS), CLOCK_HELP)
+    if "clock_calibration" not in flags.FLAGS:
+        flags.DEFINE_string("clock_calibration", None, CALIBRATION_HELP)
+
+
+def check_clock_flags(clock: str, calibration: str | None) -> None:
+    """Bad --clock / --clock_calibration fail before anything loads: an unknown clock, a
+    calibration without --clock=h200, a calibration file that is missing or malformed
+    (cost_model.CalibrationError, naming the key)."""
+    if clock not in CLOCKS:
+        raise ValueError(f"--clock must be one of {CLOCKS}, got {clock!r}")
+    if calibration:
+        if clock != "h200":
+            raise ValueError("--clock_calibration sets the H200 clock's constants: run with "
+                             "--clock=h200")
+        from mtpjax.cost_model import load_calibration
+        load_calibration(calibration)
 
 
 SIMULATE_HELP = ("simulated acceptance for planning, timing only: each verify step accepts as "
@@ -48,26 +72,48 @@ def simulator(spec: str | None, seed: int = 0):
     return simulated_acceptance.Simulator(spec, seed)
 
 
-def predicted_words(tp: int = 1) -> str:
-    """The line every h200-clock report carries."""
+def predicted_words(tp: int = 1, calibration: str | None = None,
+                    hardware: dict | None = None) -> str:
+    """The line every h200-clock report carries, with where the clock's constants come from
+    (constants_words)."""
     where = "one H200" if tp == 1 else f"{tp} H200s (tensor parallel)"
     return (f"predicted for Qwen3.5-27B on {where} by the cost model, not timed "
-            "(mtpjax/cost_model.py)")
+            f"(mtpjax/cost_model.py; {constants_words(calibration, hardware)})")
+
+
+def constants_words(calibration: str | None = None, hardware: dict | None = None) -> str:
+    """Where the clock's mid constants come from, with their values: the published figures
+    and assumptions, or "calibrated from PATH: device, date". From a calibration path, or
+    from a clock report's "hardware" (a card)."""
+    if hardware is None:
+        from mtpjax.cost_model import clock_constants
+        hw = clock_constants(calibration).mid
+        hardware = {"hbm_bytes_per_s": hw.hbm_bytes_per_s, "launch_s": hw.launch_s,
+                    "program_s": hw.program_s, "origin": hw.origin}
+    return (f"constants {hardware['hbm_bytes_per_s'] / 1e12:.3g} TB/s, "
+            f"{hardware['launch_s'] * 1e6:.3g} us a kernel, "
+            f"{hardware['program_s'] * 1e6:.3g} us a program: "
+            f"{hardware.get('origin') or 'published figures and assumptions'}")
 
 
 def make_clock(clock: str, k: int, *, weights: str = "bf16", tp: int = 1, page_size: int = 16,
-               draft_vocab: int | None = None, context_offset: int = 0):
+               draft_vocab: int | None = None, context_offset: int = 0,
+               calibration: str | None = None):
     """None for "wall"; for "h200" a fresh VirtualClock over CostModel(weights, tp, K = k, the
     engine's page size, the 27B's draft vocabulary rows): one per engine, since each engine's
-    time is its own."""
-    if clock not in CLOCKS:
-        raise ValueError(f"--clock must be one of {CLOCKS}, got {clock!r}")
+    time is its own. calibration: a gpu_check calibration file whose constants replace the
+    published ones (cost_model.load_calibration: its mid set prices, its fast / slow sets
+    give the range); only with "h200"."""
+    check_clock_flags(clock, None)
     if clock == "wall":
+        if calibration:
+            check_clock_flags(clock, calibration)      # raises: needs --clock=h200
         return None
-    from mtpjax.cost_model import CostModel, VirtualClock
+    from mtpjax.cost_model import CostModel, VirtualClock, clock_constants
+    sets = clock_constants(calibration)
     return VirtualClock(CostModel(weights=weights, tp=tp, K=k, page_size=page_size,
-                                  draft_vocab=draft_vocab if k > 0 else None),
-                        context_offset=context_offset)
+                                  draft_vocab=draft_vocab if k > 0 else None, hw=sets.mid),
+                        fast=sets.fast, slow=sets.slow, context_offset=context_offset)
 
 
 def clock_weights(params) -> str:
@@ -103,7 +149,9 @@ def render_md(c: dict) -> str:
     st = c["settings"]
     h200 = c.get("clock") == "h200"
     if h200:
-        lines += [f"**Times, tokens/s, ratios and SpecScore: {predicted_words(st.get('tp', 1))}.** "
+        hw = (c.get("h200") or {}).get("model", {}).get("hardware")
+        lines += [f"**Times, tokens/s, ratios and SpecScore: "
+                  f"{predicted_words(st.get('tp', 1), hardware=hw)}.** "
                   + clock_words(c), ""]
     lines.append(f"checkpoint `{st['checkpoint']}` · dtype {st['dtype']} · {_policy_words(st)} · kernels "
                  f"{st['kernels']} · device {st['device']} ({st['backend']}) · jax "
@@ -210,8 +258,13 @@ def render_range_md(c: dict) -> list[str]:
     if not rg:
         return []
     f = lambda xs, nd=3: "[" + ", ".join(f"{x:.{nd}f}" for x in xs) + "]"
+    origin = ((c.get("h200") or {}).get("model", {}).get("hardware") or {}).get("origin", "")
+    from mtpjax.cost_model import CALIBRATED_MIN_SPREAD
+    sets = (f"mid calibrated, fast / slow the calibration's extremes, at least "
+            f"{CALIBRATED_MIN_SPREAD:.0%} around it" if origin.startswith("calibrated")
+            else "mtpjax/cost_model.py")
     lines = [f"Range over the clock's constants (fast / mid / slow bandwidth, launch and "
-             f"program cost, mtpjax/cost_model.py; one run repriced, the depths chosen at mid): "
+             f"program cost, {sets}; one run repriced, the depths chosen at mid): "
              f"**SpecScore {f(rg['specscore'])}** as [low, mid, high]", "",
              "| workload | ratio [low, mid, high] | stock ms/token | candidate ms/token | "
              "ms/token at mid without the long context's prefill, stock / candidate |",

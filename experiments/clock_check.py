@@ -20,7 +20,8 @@ holds every lane's decode: an upper bound for an engine that overlaps them). Not
 time (the engine's scheduling and bookkeeping; on the clock it is measured on the machine that
 runs the engine), sampling beyond greedy. Each
 number at the clock's three constant sets ([low, mid, high]: cost_model.H200_FAST, H200,
-H200_SLOW). Writes card.json to --out_dir.
+H200_SLOW; with --clock_calibration=PATH the sets a gpu_check calibration file gives,
+cost_model.load_calibration). Writes card.json to --out_dir.
 """
 
 from __future__ import annotations
@@ -56,22 +57,26 @@ _flag("integer", "depth", 3, "draft depth of every step (SGLang: 3 speculative s
 _flag("string", "acceptance", "qwen3.5-27b-nothink", "acceptance profile "
       "(mtpjax/simulated_acceptance.py name or JSON path)")
 _flag("string", "out_dir", "runs/clock_check", "where card.json goes")
+_flag("string", "clock_calibration", None, "the clock's constants from this gpu_check "
+      "calibration file instead of the published ones (mtpjax/cost_model.py load_calibration)")
 
 
 def check(input_tokens: int = 8192, output_tokens: int = 1024, depth: int = 3,
-          acceptance: str = "qwen3.5-27b-nothink", K: int = 4) -> dict:
+          acceptance: str = "qwen3.5-27b-nothink", K: int = 4,
+          calibration: str | None = None) -> dict:
     """The comparison as a dict: per concurrency (1, 16), our step's price and TPOT at the
-    three constant sets ([low, mid, high]) beside SGLang's TPOT."""
+    three constant sets ([low, mid, high]; calibration: a gpu_check calibration file's sets
+    instead of the published ones) beside SGLang's TPOT."""
     from mtpjax import simulated_acceptance
-    from mtpjax.cost_model import (CostModel, H200, H200_FAST, H200_SLOW, H200_RANGE_NAMES,
-                                   price, range_of)
+    from mtpjax.cost_model import CostModel, clock_constants, price, range_of
     if not 0 < depth <= K:
         raise ValueError(f"depth must lie in 1..{K}, got {depth}")
     prof = simulated_acceptance.load(acceptance)
     tokens = prof.tokens_per_step(depth)
     ctx = int(input_tokens + output_tokens / 2)
-    model = CostModel(K=K)
-    hws = dict(zip(H200_RANGE_NAMES, (H200_FAST, H200, H200_SLOW)))
+    sets = clock_constants(calibration)
+    model = CostModel(K=K, hw=sets.mid)
+    hws = sets.by_name()
     chunk = 2048
     prefills = [model.prefill(min(chunk, input_tokens - s), s)
                 for s in range(0, input_tokens, chunk)]
@@ -100,6 +105,7 @@ def check(input_tokens: int = 8192, output_tokens: int = 1024, depth: int = 3,
         "what": "a comparison of engines, not a validation: our programs priced by the H200 "
                 "clock (mtpjax/cost_model.py) beside SGLang's measured TPOT",
         "sglang_source": SOURCE, "acceptance": {"profile": prof.name, "source": prof.source},
+        "constants": sets.origin,
         "input_tokens": input_tokens, "output_tokens": output_tokens,
         "prefill_ms": range_of({n: 1e3 * v for n, v in prefill_s.items()}),
         "not_priced": "host time; in 'TPOT' the other requests' prefills (TPOT with prefills "
@@ -127,13 +133,15 @@ def format_rows(r: dict) -> str:
                      f"{f(v['stock_tpot_ms'])} | {v['sglang_tpot_ms']:.2f} |")
     lines.append(f"\nOne {r['input_tokens']}-token prefill: {f(r['prefill_ms'], 1)} ms.")
     lines += ["", f"SGLang: {r['sglang_source']}.", f"Acceptance: {r['acceptance']['source']}.",
+              f"Clock constants: {r['constants']}.",
               f"Not priced: {r['not_priced']}."]
     return "\n".join(lines)
 
 
 def main(argv):
     del argv
-    r = check(FLAGS.input_tokens, FLAGS.output_tokens, FLAGS.depth, FLAGS.acceptance)
+    r = check(FLAGS.input_tokens, FLAGS.output_tokens, FLAGS.depth, FLAGS.acceptance,
+              calibration=FLAGS.clock_calibration)
     print(format_rows(r))
     os.makedirs(FLAGS.out_dir, exist_ok=True)
     with open(os.path.join(FLAGS.out_dir, "card.json"), "w") as fh:

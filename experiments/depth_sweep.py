@@ -179,14 +179,16 @@ def max_seq_len_for(prompt_tokens: int, new_tokens: int) -> int:
 
 def make_engine(cfg, params, lanes: int, depth: int | str, depths, max_seq_len: int,
                 kernels: str | None, page_size: int = 16, lane_slots: int | None = None,
-                clock: str = "wall", simulate_acceptance: str | None = None):
+                clock: str = "wall", simulate_acceptance: str | None = None,
+                clock_calibration: str | None = None):
     """The cell's engine: depth 0 = the stock engine; depth d >= 1 = K = adaptive_k(depths)
     draft slots with the fixed policy at d; adaptive = K slots, adaptive policy. Stop tokens
     off (see top). lane_slots (default lanes): the device state's lane slots (the Engine's
     pool then covers all of them; the cell's own page budget is `lanes` lanes at full
     context), so every cell of one K shares its compiled programs (Engine.shape_key).
     clock "h200": the engine times itself on its own cost_model.VirtualClock
-    (experiments/card.py make_clock). simulate_acceptance: a profile each verify step's
+    (experiments/card.py make_clock; clock_calibration: its constants from a gpu_check
+    calibration file). simulate_acceptance: a profile each verify step's
     acceptance is drawn from (mtpjax/simulated_acceptance.py; timing only)."""
     import mtpjax
     from experiments import card as card_lib
@@ -199,7 +201,8 @@ def make_engine(cfg, params, lanes: int, depth: int | str, depths, max_seq_len: 
                          eos_token_ids=(), speculation_policy=policy,
                          lane_slots=lanes if lane_slots is None else lane_slots,
                          clock=card_lib.make_clock(clock, k, weights=card_lib.clock_weights(params),
-                                                   page_size=page_size),
+                                                   page_size=page_size,
+                                                   calibration=clock_calibration),
                          simulate_acceptance=card_lib.simulator(simulate_acceptance) if k else None)
 
 
@@ -281,7 +284,8 @@ def run_sweep(cfg, params, prompts: Sequence[Sequence[int]], *, lanes: Sequence[
               depths: Sequence[int | str], requests_per_lane: int, new_tokens: int,
               passes: int = 2, kernels: str | None = None, page_size: int = 16,
               log: Callable[[str], None] = print, clock: str = "wall",
-              simulate_acceptance: str | None = None) -> dict:
+              simulate_acceptance: str | None = None,
+              clock_calibration: str | None = None) -> dict:
     """Every (lanes, depth) cell; see the module docstring. prompts: at least
     max(lanes) * requests_per_lane of them (lane count L serves the first L * requests_per_lane).
 
@@ -309,7 +313,8 @@ def run_sweep(cfg, params, prompts: Sequence[Sequence[int]], *, lanes: Sequence[
         for d in depths:
             engines[d] = make_engine(cfg, params, L, d, depths, max_seq, kernels, page_size,
                                      lane_slots=max(lanes), clock=clock,
-                                     simulate_acceptance=simulate_acceptance)
+                                     simulate_acceptance=simulate_acceptance,
+                                     clock_calibration=clock_calibration)
             warmups[d] = warm(engines[d], work, sampling, d)
             log(f"  lanes={L:<3d} {label(d):9s} compiled: warm-up generate "
                 f"{warmups[d]['generate_s']:.1f} s, warmup() {warmups[d]['warmup_programs']} "

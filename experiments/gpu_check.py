@@ -1,10 +1,12 @@
-"""`python -m experiments gpu_check [--smoke] [--out=gpu_check.json] [--budget_s=480]`.
+"""`python -m experiments gpu_check [--smoke] [--out=gpu_check.json] [--budget_s=480]
+[--calibration_out=PATH]`.
 
 One command for a GPU session: compiled kernel tests, kernel timings against HBM bandwidth,
-the tiny checkpoint's engine on the GPU against the CPU reference engine, and a full
-27B-shaped decode / verify / draft step against the weight floor and the cost model. Parts run
-in this order, each time-boxed inside `--budget_s` (default 480 s; a model program already
-compiling when the budget runs out still finishes, so allow ~1 more minute):
+the H200 clock's constants measured (a calibration file the clock reads), the tiny
+checkpoint's engine on the GPU against the CPU reference engine, and a full 27B-shaped decode
+/ verify / draft step against the weight floor and the cost model. Parts run in this order,
+each time-boxed inside `--budget_s` (default 480 s; a model program already compiling when the
+budget runs out still finishes, so allow ~1 more minute):
 
   1. pytest  `pytest tests/test_kernel_paged_attention.py tests/test_kernel_gated_delta.py
              tests/test_kernel_fp8_matmul.py -k Compiled` in a subprocess with
@@ -32,7 +34,22 @@ compiling when the budget runs out still finishes, so allow ~1 more minute):
              3/4 of the ~4.3 TB/s a device-to-device copy reaches on these H200s; only at
              shapes whose floor is >= 20 us (--kernel_target_min_floor_us: paged attention at
              B=8, verify at B=32, every fp8_matmul), below that launch and ramp-up dominate.
-  3. engine  the bundled tiny checkpoint (--engine_checkpoint) end to end through
+  3. calibrate  the clock's constants (experiments/gpu_calibration.py has the how): HBM
+             bandwidth (a 4 GiB and an 8 GiB bf16 read, the slope), the cost of one kernel
+             inside a graph (programs of 256 and 512 unfusable dependent kernels, counted in
+             their optimized HLO, the slope), the cost of a program (a one-kernel program
+             called and waited for, less its kernel); each in rounds, the median and the
+             per-round samples. Box --calibrate_budget_s (60 s; ~10-20 s expected on an
+             H200). Then the model part also times the decode step at
+             --calibration_step_batches (1, 8, 32) lanes (32 after everything else, with its
+             own compile) and lists each beside the cost model at the calibrated and the
+             published constants. Writes --calibration_out (default
+             gpu_check_calibration.json beside --out) after this part ("partial": true) and
+             again at the end with the step times; `--clock_calibration=PATH` on the judge,
+             bench, speed, serve_bench and clock_check reads it (mtpjax/cost_model.py
+             load_calibration). A constant not measured (an error, or the box ran out) is a
+             failure of the part, and the clock refuses the file naming it.
+  4. engine  the bundled tiny checkpoint (--engine_checkpoint) end to end through
              `Engine.generate`: 4 short prompts x 32 greedy tokens, speculative at fixed depth
              K = 4 (--engine_k, the judge's default). The reference engine (kernels=reference,
              float32) runs on the CPU device (built and run under jax.default_device(cpu); the
@@ -46,7 +63,7 @@ compiling when the budget runs out still finishes, so allow ~1 more minute):
              float32 dots is TF32, which alone could change a greedy token. Box
              --engine_budget_s (120 s); a dtype not started in it is skipped (not ok), and
              a run without a float32 engine compared is not ok.
-  4. model   `experiments.bench` on Qwen3.5-27B shapes with synthetic bf16 weights: all 64
+  5. model   `experiments.bench` on Qwen3.5-27B shapes with synthetic bf16 weights: all 64
              layers when they fit the device's memory (they do on an H200: 54.6 GB), else the
              largest multiple of 4 that does; decode, verify (k+1 tokens) and draft at
              B = 1 then 8, context 1024, KV in the engine's page pool (--kv=paged, so the
@@ -58,14 +75,19 @@ compiling when the budget runs out still finishes, so allow ~1 more minute):
              CostModel.decode(0), draft against CostModel.draft, and the depth-k step
              (bench's verify + k x draft) against CostModel.decode(k); reported, not gated.
 
+A calibration alone, in a short window: `--parts=calibrate,model --programs=decode` (the
+three constants, then the decode step at 1, 8, 32 lanes; ~3 min on an H200 by the estimates
+above: one 27B init, three step compiles).
+
 The model part reuses bench's flags (--batch_sizes, --context_lens, --num_speculative_tokens,
 --dtype, --kernels, --kv, --page_size, --iters, --hbm_gbps, --layers, --synthetic, --out) with
 gpu_check's own defaults. `--smoke` makes everything tiny for a CPU CI job: pytest only
 collects, kernels run in interpret mode at toy shapes (every floor under 20 us: no kernel
 target), the engine part compares the Pallas interpreter (float32 only, 16 tokens) with the
 reference engine, the model part is the random tiny config with interpret kernels and the
-paged pool. On a CPU every floor target is "n/a" (the floors are an H200's) and does not fail
-the run. Explicit flags win over the smoke defaults.
+paged pool, the calibrate part measures toy sizes (its file says "smoke": true, and the clock
+refuses it) with steps at 1 and 2 lanes. On a CPU every floor target is "n/a" (the floors are
+an H200's) and does not fail the run. Explicit flags win over the smoke defaults.
 
 `ok` is true, and the exit status 0, only when nothing failed, fell back or was skipped, the
 float32 engine matched the reference, and every kernel and step floor target was MET on the
@@ -92,10 +114,13 @@ then give the machine back at once:
 
 (the command on one line). $OUT/gpu_check.json comes back even when the command is cut off
 (written after each part, "partial": true until the end). Expected on an H200: pytest 1-2.5
-min; kernels < 1.5 min (box 90 s); engine 1-2 min (the CPU reference compiles 2 programs of
+min; kernels < 1.5 min (box 90 s); calibrate 10-30 s (box 60 s: small compiles, ~2 s of
+timed calls); engine 1-2 min (the CPU reference compiles 2 programs of
 the 8-layer model, ~10 s each on 16 cores; each GPU dtype 2 programs with Triton kernels);
 model the rest of the 480 s (27B synthetic init ~15 s, then a compile of tens of seconds per
-step program; B = 1 first, so the two step targets come before B = 8). 480 s + one
+step program; B = 1 first, so the two step targets come before B = 8; the calibration's
+decode at B = 32 last: if the budget runs out first it is skipped, and the run is not ok,
+but the calibration file keeps its constants and steps at 1 and 8). 480 s + one
 overrunning compile (<= 60 s) + start-up stays inside 560 s; with the machine's start that is
 <= 14 min. A part cut off by the budget is skipped and the run is not ok: rerun the rest in a
 later window with --parts (e.g. --parts=model). On an H100 (the tool's default kind) add
@@ -120,6 +145,7 @@ from functools import partial
 from absl import flags
 
 from experiments import bench  # defines the shared flags
+from experiments import gpu_calibration
 from experiments.gpu_check_report import (engine_verdict, finish, floor_target, kernel_label,
                                           kernel_target, parse_junit, pytest_problems)
 
@@ -129,7 +155,7 @@ FLAGS.set_default("synthetic", "27b")
 FLAGS.set_default("batch_sizes", ["1", "8"])
 FLAGS.set_default("context_lens", ["1024"])
 FLAGS.set_default("kv", "paged")   # the engine's storage: exercises paged attention in the model
-PARTS = ("pytest", "kernels", "engine", "model")
+PARTS = ("pytest", "kernels", "calibrate", "engine", "model")
 flags.DEFINE_boolean("smoke", False, "tiny shapes, interpret kernels, few iters (CPU CI)")
 flags.DEFINE_float("budget_s", 480.0, "wall-clock budget for all parts together")
 flags.DEFINE_float("pytest_timeout_s", 150.0, "time-out of the pytest part")
@@ -152,6 +178,13 @@ flags.DEFINE_integer("engine_k", 4, "engine part: draft slots K (the judge's def
                      "experiments/judge.py JudgeConfig.k), fixed depth K every step")
 flags.DEFINE_integer("engine_max_new_tokens", 32, "engine part: greedy tokens per prompt")
 flags.DEFINE_float("engine_budget_s", 120.0, "time box of the engine part")
+flags.DEFINE_float("calibrate_budget_s", 60.0, "time box of the calibrate part's three "
+                   "constants (its step times are the model part's)")
+flags.DEFINE_string("calibration_out", None, "the calibration file the clock reads "
+                    "(--clock_calibration); default: gpu_check_calibration.json beside --out")
+flags.DEFINE_list("calibration_step_batches", ["1", "8", "32"], "calibrate: lanes of the "
+                  "27B-shaped decode steps the model part times for the calibration file (at "
+                  "--context_lens[0]; those not in --batch_sizes are timed after the rest)")
 
 import jax  # noqa: E402  (after the flag defaults; importing jax does not touch the GPU)
 import jax.numpy as jnp  # noqa: E402
@@ -170,7 +203,8 @@ SMOKE_DEFAULTS = {"synthetic": "tiny", "layers": 4, "batch_sizes": ["1"], "conte
                   "kernels": "interpret", "dtype": "float32", "iters": 2,
                   # one interpret engine (each costs ~20-40 s of CPU compile): bf16 is a
                   # reported-only number, and on a CPU it says nothing about the GPU's
-                  "engine_dtypes": ["float32"], "engine_max_new_tokens": 16}
+                  "engine_dtypes": ["float32"], "engine_max_new_tokens": 16,
+                  "calibration_step_batches": ["1", "2"]}
 
 # (name, shapes) of the kernel part; the smoke shapes keep every code path, at toy size.
 KERNEL_SHAPES = {
@@ -453,7 +487,7 @@ def run_kernels(smoke: bool, interpret: bool, iters: int, hbm_gbps: float,
 
 
 # --------------------------------------------------------------------------------------------
-# 3. engine
+# 4. engine
 # --------------------------------------------------------------------------------------------
 
 # Short prompts of different kinds (code, prose); each fits one 16-token prefill chunk.
@@ -553,7 +587,7 @@ def run_engine(smoke: bool, deadline: float) -> dict:
 
 
 # --------------------------------------------------------------------------------------------
-# 4. model
+# 5. model
 # --------------------------------------------------------------------------------------------
 
 def fit_layers(cfg_full, dtype: str, max_batch: int, requested: int | None) -> tuple[int, dict]:
@@ -629,14 +663,22 @@ def predict_steps(cfg, results: list[dict], speculative: list[dict], k: int, wei
             "rows": rows}
 
 
-def run_model(smoke: bool, deadline: float, backend: str) -> dict:
+def run_model(smoke: bool, deadline: float, backend: str,
+              calibration: dict | None = None) -> dict:
+    """The model part; calibration (the calibrate part's result, None when it did not run):
+    the decode step is also timed at --calibration_step_batches lanes (those --batch_sizes
+    lacks, after the rest) and `calibration_steps` lists them beside the cost model at the
+    calibrated constants (gpu_calibration.step_rows)."""
     dtype = bench.resolve_dtype(FLAGS.dtype)
     kernels = bench.resolve_kernels(FLAGS.kernels)
     batch_sizes = [int(x) for x in FLAGS.batch_sizes]
     context_lens = [int(x) for x in FLAGS.context_lens]
+    step_batches = ([int(x) for x in FLAGS.calibration_step_batches]
+                    if calibration is not None else [])
     layers, mem = FLAGS.layers, {}
     if FLAGS.synthetic == "27b":
-        layers, mem = fit_layers(qwen3_5_27b(), dtype, max(batch_sizes), FLAGS.layers)
+        layers, mem = fit_layers(qwen3_5_27b(), dtype, max(batch_sizes + step_batches),
+                                 FLAGS.layers)
     log(f"[model] building {FLAGS.synthetic or FLAGS.checkpoint} ({layers} layers, {dtype})")
     cfg, params, desc = bench.build_model(FLAGS.checkpoint, FLAGS.synthetic, layers, dtype,
                                           FLAGS.seed, FLAGS.weights, FLAGS.mtp_weights)
@@ -662,6 +704,10 @@ def run_model(smoke: bool, deadline: float, backend: str) -> dict:
         log(f"[model] {fallback}")
         kv = "contiguous"
         res = run(kv=kv)
+    cal_steps = None
+    if calibration is not None:
+        cal_steps = calibration_steps(cfg, res, run, kv, step_batches, context_lens[0],
+                                      calibration, "fp8" if quant.has_fp8(params) else "bf16")
     targets = []
     applies = backend == "gpu" and kernels != "interpret"
     for r in res["results"]:
@@ -684,7 +730,39 @@ def run_model(smoke: bool, deadline: float, backend: str) -> dict:
     return {**desc, "config": bench.config_summary(cfg), "dtype": dtype, "kernels": kernels,
             "num_speculative_tokens": k, "kv": kv, "kv_fallback": fallback, "memory": mem,
             "target_weight_bytes": wbytes, **res,
-            "weight_floor_targets": targets, "cost_model": predicted}
+            "weight_floor_targets": targets, "cost_model": predicted,
+            **({"calibration_steps": cal_steps} if cal_steps is not None else {})}
+
+
+def calibration_steps(cfg, res: dict, run, kv: str, batches: list[int], context_len: int,
+                      calibration: dict, weights: str) -> dict:
+    """The decode step at `batches` lanes for the calibration file: those the model part did
+    not time at `context_len` are timed now (appended to res["results"], so a skip there is
+    the model part's, as any other), then gpu_calibration.step_rows."""
+    done = {r["batch"] for r in res["results"] if r["program"] == "decode"
+            and r["context_len"] == context_len and "median_s" in r}
+    extra = [b for b in batches if b not in done]
+    error = None
+    if extra:
+        log(f"[model] calibration: decode at {extra} lanes, context {context_len}")
+        try:
+            res["results"] += run(kv=kv, programs=["decode"], batch_sizes=extra,
+                                  context_lens=[context_len])["results"]
+        except Exception as e:  # noqa: BLE001 - the rest of the model part stands
+            traceback.print_exc()
+            error = f"{type(e).__name__}: {e}"
+    calibrated = {n: c["value"] for n, c in calibration["constants"].items()}
+    rows = gpu_calibration.step_rows(cfg, res["results"], batches, context_len,
+                                     weights=weights, page_size=FLAGS.page_size,
+                                     calibrated=calibrated)
+    out = {"rows": rows, "context_len": context_len, "kv": kv,
+           "note": "bench's decode program (target forward + lm_head + argmax) beside "
+                   "CostModel(K=0).decode(0, B) (the stock engine's step, which also samples) at "
+                   "the calibrated constants (predicted_s) and the published ones "
+                   "(predicted_s_published); not read by the clock"}
+    if error:
+        out["error"] = error
+    return out
 
 
 # --------------------------------------------------------------------------------------------
@@ -725,6 +803,32 @@ def _cost_model_lines(cm: dict) -> list[str]:
     return out
 
 
+def _calibrate_lines(c: dict, steps: dict | None) -> list[str]:
+    from mtpjax.cost_model import CALIBRATED, H200
+    out = [f"calibrate -> {c.get('file')} ({c['elapsed_s']:.0f} s; the clock reads it with "
+           f"--clock_calibration)"]
+    for n in CALIBRATED:
+        if n in c["errors"]:
+            out.append(f"  {n:16s} {c['errors'][n]}")
+            continue
+        v = c["constants"][n]
+        out.append(f"  {n:16s} {v['value']:.4g} {v['unit']} (published mid "
+                   f"{getattr(H200, n):.4g}; {len(v['samples'])} rounds "
+                   f"{min(v['samples']):.4g}..{max(v['samples']):.4g})")
+    for r in (steps or {}).get("rows", []):
+        head = f"  decode B={r['batch']:<3d} C={r['context_len']} ({r['layers']} layers)"
+        if "median_s" not in r:
+            out.append(f"{head}: skipped ({r['skipped']})")
+            continue
+        out.append(f"{head}: {r['median_s'] * 1e3:.3f} ms; predicted {r['predicted_s'] * 1e3:.3f}"
+                   f" ms calibrated (x{r['x_predicted']:.2f}), "
+                   f"{r['predicted_s_published'] * 1e3:.3f} ms published "
+                   f"(x{r['x_predicted_published']:.2f})")
+    if (steps or {}).get("error"):
+        out.append(f"  steps: ERROR {steps['error']}")
+    return out
+
+
 def summary_table(doc: dict) -> str:
     lab = "" if doc["roofline_applies"] else "  [roofline of an H200; not this device]"
     out = [f"gpu_check summary ({doc['device'].get('device_kind')}, smoke={doc['smoke']}, "
@@ -745,6 +849,9 @@ def summary_table(doc: dict) -> str:
         tgt = f"x{t['target']}: {t['status']}" if t else "none (reported)"
         out.append(f"{kernel_label(r):55s} {r['median_s'] * 1e6:10.1f} "
                    f"{r['achieved_gbps']:8.3g} {r['x_floor']:8.3g}  {tgt}")
+    if doc.get("calibrate"):
+        out += _calibrate_lines(doc["calibrate"], (doc.get("model") or {}).get(
+            "calibration_steps"))
     if doc.get("engine"):
         out += _engine_lines(doc["engine"])
     m = doc.get("model")
@@ -771,6 +878,23 @@ def _write_partial(doc: dict, t0: float) -> None:
     if FLAGS.out:
         bench.write_json(FLAGS.out, {**doc, "partial": True,
                                      "elapsed_s": time.monotonic() - t0})
+
+
+def calibration_path() -> str:
+    """--calibration_out, else gpu_check_calibration.json beside --out."""
+    if FLAGS.calibration_out:
+        return FLAGS.calibration_out
+    return os.path.join(os.path.dirname(FLAGS.out or ""), "gpu_check_calibration.json")
+
+
+def _write_calibration(doc: dict, partial: bool) -> None:
+    """The calibration file (gpu_calibration.calibration_doc): after the calibrate part
+    (partial, no step times yet) and at the end (with the model part's steps)."""
+    m = doc.get("model") or {}
+    steps = m.get("calibration_steps") or (
+        {"rows": [], "note": f"the model part failed: {m['error']}"} if "error" in m else None)
+    bench.write_json(doc["calibrate"]["file"], gpu_calibration.calibration_doc(
+        doc["device"], doc["date"], doc["smoke"], doc["calibrate"], steps, partial))
 
 
 def main(argv):
@@ -816,6 +940,15 @@ def main(argv):
             failed.append("kernels")
         _write_partial(doc, t0)
 
+    if "calibrate" in parts:
+        cdeadline = min(deadline, time.monotonic() + FLAGS.calibrate_budget_s)
+        log(f"[calibrate] bandwidth, kernel and program cost; budget "
+            f"{cdeadline - time.monotonic():.0f} s")
+        doc["calibrate"] = gpu_calibration.run_calibrate(smoke, cdeadline, log)
+        doc["calibrate"]["file"] = calibration_path()
+        _write_calibration(doc, partial=True)
+        _write_partial(doc, t0)
+
     if "engine" in parts:
         edeadline = min(deadline, time.monotonic() + FLAGS.engine_budget_s)
         try:
@@ -828,7 +961,7 @@ def main(argv):
 
     if "model" in parts:
         try:
-            doc["model"] = run_model(smoke, deadline, info["backend"])
+            doc["model"] = run_model(smoke, deadline, info["backend"], doc.get("calibrate"))
         except Exception as e:  # noqa: BLE001 - keep the other parts' results
             traceback.print_exc()
             doc["model"] = {"error": f"{type(e).__name__}: {e}"}
@@ -839,6 +972,8 @@ def main(argv):
             failed.append("model")
 
     doc["elapsed_s"] = time.monotonic() - t0
+    if "calibrate" in doc:
+        _write_calibration(doc, partial=False)
     doc.update(finish(doc, failed, PARTS))   # failures, failed_parts, ok
     log(summary_table(doc))
     for why in doc["failures"]:

@@ -161,7 +161,8 @@ def _engine_failures(e: dict) -> list[str]:
 
 
 def failures(doc: dict) -> list[str]:
-    """Every reason the run is not ok: a failure, a fallback or a skip anywhere, a float32
+    """Every reason the run is not ok: a failure, a fallback or a skip anywhere (a calibration
+    constant not measured included), a float32
     engine whose greedy tokens differ from the CPU reference engine's, and every kernel or
     step floor target NOT MET (with its numbers). A target that is n/a (met None: not a GPU,
     the --smoke run) fails only when the doc says the roofline applies."""
@@ -180,6 +181,8 @@ def failures(doc: dict) -> list[str]:
         elif r.get("target"):
             why += _target_failures("kernels", kernel_label(r),
                                     {**r["target"], "x_floor": r["x_floor"]}, applies)
+    for name, err in ((doc.get("calibrate") or {}).get("errors") or {}).items():
+        why.append(f"calibrate: {name}: {err}")
     if doc.get("engine"):
         why += _engine_failures(doc["engine"])
     m = doc.get("model")
@@ -203,6 +206,8 @@ def failures(doc: dict) -> list[str]:
             why += _target_failures("model", f"{t['program']} B={t['batch']} "
                                     f"C={t['context_len']} (weight floor)",
                                     {**t, "x_floor": t["x_weight_floor"]}, applies)
+        if (m.get("calibration_steps") or {}).get("error"):
+            why.append(f"model: calibration steps: {m['calibration_steps']['error']}")
         if (m.get("cost_model") or {}).get("error"):
             why.append(f"model: cost model: {m['cost_model']['error']}")
     return why

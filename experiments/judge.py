@@ -30,6 +30,11 @@ measured here is added to each clock and reported on its own line. card.json get
 "h200" (else "wall") and an "h200" section (each clock's device and host seconds, launches,
 the cost model's constants, and `range`: SpecScore, ratios and ms per token at [low, mid, high]
 over the clock's fast / mid / slow constant sets, one run repriced).
+--clock_calibration=PATH (with --clock=h200): the clock's constants from the calibration file a
+lent GPU's `gpu_check` wrote (mtpjax/cost_model.py load_calibration): the measured bandwidth,
+kernel and program cost replace the mid set, the range is built around them, and the card
+says "calibrated from PATH: device, date" where it otherwise says "published figures and
+assumptions". A missing or malformed file fails before anything loads, naming the key.
 Long-context workloads (--clock=h200 only): solo_8k, team_8k, solo_32k, team_32k run the
 solo / team prompts while the clock prices every program 8,192 / 32,768 tokens longer (their
 prefill included); reported beside SpecScore, which stays solo / team / busy.
@@ -177,6 +182,7 @@ class JudgeConfig:
     lane_buckets: tuple | None = None   # decode lane buckets (None: the workloads' lanes)
     prefill_buckets: tuple = (16, 64)   # prefill chunk buckets; the largest is the chunk
     clock: str = "wall"         # wall | h200 (card_lib.make_clock: modelled 27B on an H200)
+    clock_calibration: str | None = None   # h200: constants from a gpu_check calibration file
     draft_vocab: float = 0.0    # candidate's draft vocabulary: share (< 1) or size; 0 none
     clock_draft_vocab: int = 0  # the h200 clock's 27B draft rows (0: draft_vocab's share)
     simulate_acceptance: str | None = None   # profile: the candidate's acceptance drawn
@@ -196,7 +202,8 @@ def _from_flags() -> JudgeConfig:
         temperature=f.temperature, sample_temperature=f.sample_temperature,
         gate_prompts=f.gate_prompts, fidelity_tokens=f.fidelity_tokens,
         fidelity_lanes=f.fidelity_lanes, seed=f.seed, progress=f.progress, tp=f.tp, dp=f.dp,
-        prefix_cache=f.prefix_cache, clock=f.clock, draft_vocab=f.draft_vocab,
+        prefix_cache=f.prefix_cache, clock=f.clock, clock_calibration=f.clock_calibration,
+        draft_vocab=f.draft_vocab,
         clock_draft_vocab=f.clock_draft_vocab, simulate_acceptance=f.simulate_acceptance,
         lane_buckets=tuple(int(b) for b in f.lane_buckets) if f.lane_buckets else None,
         prefill_buckets=tuple(int(b) for b in f.prefill_buckets),
@@ -243,8 +250,8 @@ def check_config(jc: JudgeConfig, cfg=None) -> None:
         raise ValueError(f"--mtp_head must be 'trained' or 'random', got {jc.mtp_head!r}")
     if jc.passes < 1:
         raise ValueError(f"--passes must be >= 1, got {jc.passes}")
-    if jc.clock not in card_lib.CLOCKS:
-        raise ValueError(f"--clock must be one of {card_lib.CLOCKS}, got {jc.clock!r}")
+    # an unknown clock, a calibration without --clock=h200 or a bad calibration file
+    card_lib.check_clock_flags(jc.clock, jc.clock_calibration)
     card_lib.simulator(jc.simulate_acceptance)      # an unknown profile fails here
     for w in jc.workloads:
         if long_context(w)[1] and jc.clock != "h200":
@@ -322,7 +329,8 @@ def make_engine(cfg, params, jc: JudgeConfig, k: int, lanes: int, num_pages: int
     shape's lane_slots (every slot at full context)."""
     clock = card_lib.make_clock(jc.clock, k, weights=card_lib.clock_weights(params), tp=jc.tp,
                                 page_size=jc.page_size, draft_vocab=clock_draft_rows(jc, cfg),
-                                context_offset=context_offset)
+                                context_offset=context_offset,
+                                calibration=jc.clock_calibration)
     return mtpjax.make_engine(cfg, params, tp=jc.tp, dp=jc.dp, placed=placed, clock=clock,
                               draft_vocab=draft_ids(jc, cfg) if k > 0 else None,
                               num_speculative_tokens=k,
@@ -1272,7 +1280,9 @@ def clock_section(results: dict, chat_runs: dict | None, engines: dict, k: int) 
     model = {key: v for key, v in report.items()
              if key not in ("device_s", "host_s", "now", "launches", "device_range_s",
                             "idle_s", "hidden_s")}
-    return {"workloads": out, "model": model, "range": range_section(results, k),
+    rng = range_section(results, k)
+    rng["constants"] = (report.get("hardware") or {}).get("origin")
+    return {"workloads": out, "model": model, "range": rng,
             "how": "each engine has its own clock: every program it launches adds the cost "
                    "model's price at the program's shapes (device_s); host_work_s is this "
                    "machine's measured time inside Engine.step outside the programs and the "
@@ -1316,7 +1326,9 @@ def range_section(results: dict, k: int) -> dict:
             "by_constants": {"specscore": spec, "ratio": ratio},
             "how": "[low, mid, high] over three constant sets (fast, mid, slow: bandwidth, "
                    "launch cost per kernel, cost per program; mtpjax/cost_model.py H200_FAST, "
-                   "H200, H200_SLOW with their sources); one run, every launch priced at the "
+                   "H200, H200_SLOW with their sources, or with --clock_calibration the "
+                   "calibration's sets, load_calibration: where from in h200.range.constants); "
+                   "one run, every launch priced at the "
                    "three sets; host time measured once; the depth policy chose its depths "
                    "on the mid prices, so low and high reprice the mid run's schedule"}
 

@@ -14,7 +14,8 @@ Every request has its own seed and temperature 0.8; prompts differ per request. 
 the standard library (http.client, SSE parsed by hand), so the bench needs nothing beyond the
 server's own dependencies. Writes `--out` (card.json) and prints it as the last stdout line.
 
-`--clock=h200`: the same load (same engine flags, same requests, closed loop: each client's
+`--clock=h200` (`--clock_calibration=PATH`: constants from a gpu_check calibration file): the
+same load (same engine flags, same requests, closed loop: each client's
 next request goes in when its previous one ends) on the engine's cost_model.VirtualClock,
 predicted for Qwen3.5-27B on one H200 by the cost model, not timed. An online server's time is its clients' wall time, so there is no HTTP server
 here: the engine `serve` would build (`serve.load_server`: same flags, same warm-up) runs in
@@ -205,11 +206,12 @@ def clock_main(levels: list[int]) -> dict:
     engine = server.online.engine
     engine.clock = card_lib.make_clock("h200", engine.k,
                                        weights=card_lib.clock_weights(engine.params),
-                                       tp=engine.tp, page_size=engine.page_size)
+                                       tp=engine.tp, page_size=engine.page_size,
+                                       calibration=FLAGS.clock_calibration)
     if engine.k:                            # timing only: the replies are not the model's
         engine.simulated = card_lib.simulator(FLAGS.simulate_acceptance)
     startup = time.perf_counter() - t0
-    words = card_lib.predicted_words(engine.tp)
+    words = card_lib.predicted_words(engine.tp, FLAGS.clock_calibration)
     say = lambda m: print(f"[serve_bench h200] {m}", file=sys.stderr, flush=True)
     say(f"engine up in {startup:.1f}s (this machine): k={engine.k}, lanes={engine.max_lanes}; "
         f"times below: {words}")
@@ -255,6 +257,7 @@ def main(argv):
     levels = [int(c) for c in FLAGS.concurrency]
     if not levels or min(levels) < 1:
         raise SystemExit(f"--concurrency needs positive integers, got {FLAGS.concurrency}")
+    card_lib.check_clock_flags(FLAGS.clock, FLAGS.clock_calibration)   # before any work
     if FLAGS.simulate_acceptance and FLAGS.clock == "wall":
         raise SystemExit("--simulate_acceptance needs --clock=h200 here (the in-process engine "
                          "session; the HTTP server runs the model's own acceptance)")

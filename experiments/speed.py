@@ -22,7 +22,9 @@ cost_model.VirtualClock: every program an engine launches costs what the cost mo
 for Qwen3.5-27B on one H200 at that program's shapes, plus the host time measured here
 (each row also gives the median host and modelled device seconds of a call). The
 transformers row cannot be priced: it stays on this machine's wall clock, is marked so, and
-gets no ratio (a ratio between the two clocks would mean nothing).
+gets no ratio (a ratio between the two clocks would mean nothing). `--clock_calibration=PATH`:
+the clock's constants from a gpu_check calibration file (mtpjax/cost_model.py
+load_calibration); the output says which constants priced it.
 """
 
 from __future__ import annotations
@@ -75,14 +77,15 @@ def _time(fn, repeats: int, now=time.perf_counter, clock=None) -> tuple[list[int
 
 
 def engine_row(cfg, params, prompt, *, lanes: int, k: int, n_new: int, kernels, repeats: int,
-               clock: str = "wall", simulate_acceptance: str | None = None):
+               clock: str = "wall", simulate_acceptance: str | None = None,
+               clock_calibration: str | None = None):
     max_seq = len(prompt) + n_new + 8
     e = mtpjax.Engine(cfg, params, num_speculative_tokens=k, max_lanes=lanes, max_seq_len=max_seq,
                       kernels=None if kernels == "auto" else kernels,
                       eos_token_ids=(),             # generate exactly n_new tokens
                       simulate_acceptance=card_lib.simulator(simulate_acceptance) if k else None)
     e.clock = card_lib.make_clock(clock, k, weights=card_lib.clock_weights(params),
-                                  page_size=e.page_size)
+                                  page_size=e.page_size, calibration=clock_calibration)
     sp = SamplingParams(temperature=0.0, max_new_tokens=n_new)
     run = lambda: e.generate([prompt], sp)[0].token_ids
     tokens, sec, split = _time(run, repeats, lambda: card_lib.now(e), e.clock)
@@ -122,12 +125,14 @@ def main(argv):
     del argv
     from experiments.progress import Progress
     log = Progress("speed")
+    card_lib.check_clock_flags(FLAGS.clock, FLAGS.clock_calibration)   # before any work
     log(f"loading {FLAGS.checkpoint}")
     cfg, params = mtpjax.load_checkpoint(FLAGS.checkpoint, "float32")
     rng = np.random.default_rng(FLAGS.seed)
     prompt = [int(t) for t in rng.integers(0, cfg.vocab_size, FLAGS.prompt_len)]
     kw = dict(n_new=FLAGS.max_new_tokens, kernels=FLAGS.kernels, repeats=FLAGS.repeats,
-              clock=FLAGS.clock, simulate_acceptance=FLAGS.simulate_acceptance)
+              clock=FLAGS.clock, simulate_acceptance=FLAGS.simulate_acceptance,
+              clock_calibration=FLAGS.clock_calibration)
     cells = [(1, 0), (FLAGS.lanes, 0)]
     if FLAGS.num_speculative_tokens and cfg.has_mtp:
         cells.append((FLAGS.lanes, FLAGS.num_speculative_tokens))
@@ -145,11 +150,13 @@ def main(argv):
     ref = rows[0]["tokens"]
     for r in rows:
         r["same_tokens_as_first_row"] = r.pop("tokens") == ref
-    print(format_rows(rows, FLAGS.clock))
+    print(format_rows(rows, FLAGS.clock, FLAGS.clock_calibration))
     out = {"checkpoint": os.path.abspath(FLAGS.checkpoint), "prompt_len": FLAGS.prompt_len,
            "max_new_tokens": FLAGS.max_new_tokens, "repeats": FLAGS.repeats,
            "clock": FLAGS.clock, "simulated_acceptance": FLAGS.simulate_acceptance,
-           "time": (card_lib.predicted_words() + "; rows marked wall are this machine's"
+           "clock_calibration": FLAGS.clock_calibration,
+           "time": (card_lib.predicted_words(calibration=FLAGS.clock_calibration)
+                    + "; rows marked wall are this machine's"
                     if FLAGS.clock == "h200" else "wall time on this machine"), "rows": rows}
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
@@ -157,14 +164,15 @@ def main(argv):
     print(json.dumps(out))
 
 
-def format_rows(rows: list[dict], clock: str) -> str:
+def format_rows(rows: list[dict], clock: str, calibration: str | None = None) -> str:
     """The table (sets each row's ratio_vs_first_row: None for a row on another clock than
     the first's). With the h200 clock: the predicted line first, a host column, and rows not
     on the clock (transformers) marked."""
     base = rows[0]
     lines = []
     if clock == "h200":
-        lines.append(f"clock h200: engine rows {card_lib.predicted_words()}; host = measured "
+        lines.append(f"clock h200: engine rows {card_lib.predicted_words(calibration=calibration)}"
+                     "; host = measured "
                      "host seconds per call, included")
     lines.append(f"{'row':<26} {'tokens/s':>9} {'vs lanes=1 k=0':>15} {'same tokens':>12}"
                  + (f" {'host ms/call':>12}" if clock == "h200" else ""))

@@ -35,6 +35,17 @@ steps.LaneState), never from the audit:
                 (MIXED_GDN_SLOT_PASSES).
 FLOPs: 2 x tokens x linear weights touched, attention (QK^T and PV over the context), the
 GDN recurrence.
+
+Constants (Hardware): the mid set H200 prices every launch; H200_FAST and H200_SLOW bound the
+clock's range. Each is a published figure or an assumption, with its source. A lent GPU
+replaces the three it can measure (HBM bandwidth, launch cost of a kernel inside a graph,
+cost of a program): `python -m experiments gpu_check` writes a calibration file
+(experiments/gpu_calibration.py), and `load_calibration(PATH)` (what `--clock_calibration=PATH`
+calls on the judge, bench, speed, serve_bench and clock_check) checks it, naming a bad or
+missing key, and returns ClockConstants whose mid set holds the measured values, whose fast /
+slow sets hold the calibration's per-round extremes at least CALIBRATED_MIN_SPREAD around
+them, and whose `origin` ("calibrated from PATH: device, jax, date") the cards print where
+they otherwise print "published figures and assumptions".
 """
 
 from __future__ import annotations
@@ -62,6 +73,10 @@ class Hardware:
     launch_s: float         # per kernel launched inside one program (CUDA-graph-like replay)
     program_s: float        # fixed cost per program launch from the host
     sources: Mapping[str, str]
+    # where the set comes from, in one line for cards: published figures and assumptions, or
+    # the calibration file it was read from (load_calibration)
+    origin: str = ("published figures and assumptions (mtpjax/cost_model.py H200, H200_FAST, "
+                   "H200_SLOW, each constant with its source)")
 
 
 H200 = Hardware(
@@ -139,6 +154,137 @@ H200_SLOW = dataclasses.replace(
                      "sync per program); no published figure was found",
     })
 H200_RANGE_NAMES = ("fast", "mid", "slow")
+
+
+# ---------------------------------------------------------------------------- calibration
+# `python -m experiments gpu_check` on a lent GPU writes a calibration file (its calibrate part,
+# experiments/gpu_calibration.py); `--clock_calibration=PATH` on every sub-command that builds
+# the clock reads it here. The file's three constants replace the mid set's; the flop rates
+# stay H200's (nothing measures them). The range is then built around the measured point, not
+# kept at the published bounds (which a measured mid may lie outside of): each calibrated
+# constant's fast and slow bounds are the best and worst of its per-repeat samples, widened to
+# at least CALIBRATED_MIN_SPREAD on either side of the mid value. The samples say how well the
+# micro-benchmark repeats; the floor says that a constant measured on tiny programs and one
+# large read is not known to better than that when it prices a 27B step whose kernels are
+# neither (an assumption; the file's `steps` section shows measured against predicted 27B-shaped
+# steps at the calibrated constants, so a reader can see how far the model really is).
+CALIBRATION_FORMAT = "mtpjax-clock-calibration/1"
+CALIBRATED = ("hbm_bytes_per_s", "launch_s", "program_s")
+CALIBRATED_MIN_SPREAD = 0.10
+
+
+class CalibrationError(ValueError):
+    """A calibration file that cannot price the clock; the message names the file and key."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ClockConstants:
+    """The clock's three constant sets: mid prices every launch, fast and slow give the range."""
+    fast: Hardware
+    mid: Hardware
+    slow: Hardware
+
+    def by_name(self) -> dict[str, Hardware]:
+        return {"fast": self.fast, "mid": self.mid, "slow": self.slow}
+
+    @property
+    def origin(self) -> str:
+        return self.mid.origin
+
+
+H200_CONSTANTS = ClockConstants(H200_FAST, H200, H200_SLOW)
+
+
+def clock_constants(calibration: str | None = None) -> ClockConstants:
+    """The published sets (None or ""), or those read from a calibration file."""
+    return load_calibration(calibration) if calibration else H200_CONSTANTS
+
+
+def _positive(x) -> bool:
+    return (isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+            and x > 0)
+
+
+def check_calibration(doc, where: str = "calibration", allow_smoke: bool = False) -> None:
+    """Raise CalibrationError naming the first bad or missing key; a file from `gpu_check
+    --smoke` (toy sizes on whatever device) is refused unless allow_smoke."""
+    def bad(key: str, why: str):
+        raise CalibrationError(f"{where}: {key} {why} (a calibration file is what "
+                               "`python -m experiments gpu_check` writes to --calibration_out)")
+    if not isinstance(doc, dict):
+        bad("the document", "is not a JSON object")
+    if doc.get("format") != CALIBRATION_FORMAT:
+        bad("format", f"is {doc.get('format')!r}, not {CALIBRATION_FORMAT!r}")
+    if not isinstance(doc.get("date"), str) or not doc["date"]:
+        bad("date", "is missing")
+    dev = doc.get("device")
+    if not isinstance(dev, dict) or not isinstance(dev.get("device_kind"), str):
+        bad("device.device_kind", "is missing")
+    if doc.get("smoke") and not allow_smoke:
+        bad("smoke", "is true: a --smoke run measures toy sizes and cannot price the 27B")
+    consts = doc.get("constants")
+    if not isinstance(consts, dict):
+        bad("constants", "is missing")
+    errors = doc.get("errors") if isinstance(doc.get("errors"), dict) else {}
+    for name in CALIBRATED:
+        c = consts.get(name)
+        if not isinstance(c, dict):
+            bad(f"constants.{name}", "is missing" + (f" (the run says: {errors[name]})"
+                                                     if name in errors else ""))
+        if "value" not in c:
+            bad(f"constants.{name}.value", "is missing")
+        if not _positive(c["value"]):
+            bad(f"constants.{name}.value", f"must be a positive number, got {c['value']!r}")
+        samples = c.get("samples")
+        if not isinstance(samples, list) or not samples:
+            bad(f"constants.{name}.samples", "is missing or empty")
+        if not all(_positive(x) for x in samples):
+            bad(f"constants.{name}.samples", f"must be positive numbers, got {samples!r}")
+        if not isinstance(c.get("how"), str) or not c["how"]:
+            bad(f"constants.{name}.how", "is missing")
+
+
+def calibrated_constants(doc: Mapping, path: str, base: Hardware = H200) -> ClockConstants:
+    """The three sets from a checked calibration document: mid = the measured values; fast and
+    slow = the samples' extremes, at least CALIBRATED_MIN_SPREAD away from mid."""
+    dev = doc["device"]
+    where = (f"calibrated from {path}: {dev['device_kind']}"
+             + (f", jax {dev['jax']}" if dev.get("jax") else "") + f", {doc['date']}")
+    mid, fast, slow, srcs = {}, {}, {}, {}
+    for name in CALIBRATED:
+        c = doc["constants"][name]
+        v = float(c["value"])
+        pts = [float(x) for x in c["samples"]] + [v]
+        lo = min(min(pts), v * (1 - CALIBRATED_MIN_SPREAD))
+        hi = max(max(pts), v * (1 + CALIBRATED_MIN_SPREAD))
+        larger_is_faster = name == "hbm_bytes_per_s"
+        mid[name] = v
+        fast[name], slow[name] = (hi, lo) if larger_is_faster else (lo, hi)
+        srcs[name] = f"{where}: {c['how']}"
+    bound = (f"the calibrated samples' extreme, at least {CALIBRATED_MIN_SPREAD:.0%} from the "
+             "measured mid value (mtpjax/cost_model.py CALIBRATED_MIN_SPREAD)")
+    make = lambda vals, tag, src: dataclasses.replace(
+        base, name=f"{base.name}, {tag}calibrated on {dev['device_kind']}", origin=where,
+        sources={**base.sources, **src}, **vals)
+    return ClockConstants(
+        fast=make(fast, "fast bound, ", {n: f"{bound}; {srcs[n]}" for n in CALIBRATED}),
+        mid=make(mid, "", srcs),
+        slow=make(slow, "slow bound, ", {n: f"{bound}; {srcs[n]}" for n in CALIBRATED}))
+
+
+def load_calibration(path: str) -> ClockConstants:
+    """The clock's constant sets from a gpu_check calibration file (check_calibration, then
+    calibrated_constants); CalibrationError for a missing, unreadable or malformed file."""
+    import json
+    try:
+        with open(path) as f:
+            doc = json.load(f)
+    except FileNotFoundError:
+        raise CalibrationError(f"calibration file {path} not found") from None
+    except (OSError, ValueError) as e:
+        raise CalibrationError(f"calibration file {path}: not readable JSON ({e})") from None
+    check_calibration(doc, f"calibration file {path}")
+    return calibrated_constants(doc, path)
 
 
 def price(cost: "Cost", hw: Hardware) -> float:

@@ -452,3 +452,115 @@ def test_draft_vocabulary_prices_drafts_only():
     assert CostModel(K=4, draft_vocab=248320).draft(1, [64]) == full.draft(1, [64])
     with pytest.raises(ValueError, match="draft_vocab"):
         CostModel(K=4, draft_vocab=0)
+
+
+# ------------------------------------------------------------------ calibration (no compile)
+
+def _calibrated(tmp_path, name="cal.json", **values):
+    from calibration_fixtures import calibration, write
+    from mtpjax.cost_model import load_calibration
+    return load_calibration(write(tmp_path / name, calibration(**values)))
+
+
+def test_a_calibration_file_replaces_the_mid_constants_and_says_so(tmp_path):
+    """The file's three constants become the mid set (the flop rates stay H200's); the range
+    is built around them: each bound the samples' extreme, at least 10% from mid, on the
+    right side; every set says where it came from."""
+    from calibration_fixtures import DOC, write
+    from mtpjax.cost_model import CALIBRATED_MIN_SPREAD, load_calibration
+    path = write(tmp_path / "cal.json")
+    cs = load_calibration(path)
+    c = DOC["constants"]
+    assert (cs.mid.hbm_bytes_per_s, cs.mid.launch_s, cs.mid.program_s) == (
+        c["hbm_bytes_per_s"]["value"], c["launch_s"]["value"], c["program_s"]["value"])
+    assert (cs.mid.bf16_flops_per_s, cs.mid.fp8_flops_per_s) == (H200.bf16_flops_per_s,
+                                                                 H200.fp8_flops_per_s)
+    m = 1 + CALIBRATED_MIN_SPREAD
+    assert cs.fast.hbm_bytes_per_s == pytest.approx(4.2e12 * m)      # samples within 10%
+    assert cs.slow.hbm_bytes_per_s == pytest.approx(4.2e12 * (2 - m))
+    assert cs.fast.launch_s == pytest.approx(2e-6 * (2 - m)) and cs.slow.launch_s == pytest.approx(
+        2.2e-6)
+    assert cs.slow.program_s == 40e-6                                 # a sample beyond 10%
+    for hw in (cs.fast, cs.mid, cs.slow):
+        assert hw.origin == cs.origin
+        assert all("calibrated from" in hw.sources[n] for n in ("hbm_bytes_per_s", "launch_s",
+                                                                 "program_s"))
+        assert hw.sources["bf16_flops_per_s"] == H200.sources["bf16_flops_per_s"]
+    assert cs.origin == (f"calibrated from {path}: NVIDIA H200, jax 0.11.2, "
+                         "2026-12-07T05:00:00+00:00")
+    assert "published figures and assumptions" in H200.origin
+
+
+def test_calibrated_constants_move_the_prices_as_the_formula_says(tmp_path):
+    """Doubling the kernel cost raises a program's price by exactly kernels x the increase; a
+    program's fixed cost moves every program by its increase; halving the bandwidth doubles a
+    memory-bound step's byte time."""
+    base = _calibrated(tmp_path, "a.json", launch_s=2.5e-6, program_s=20e-6,
+                       hbm_bytes_per_s=4e12)
+    kern = _calibrated(tmp_path, "b.json", launch_s=5e-6, program_s=20e-6, hbm_bytes_per_s=4e12)
+    prog = _calibrated(tmp_path, "c.json", launch_s=2.5e-6, program_s=50e-6,
+                       hbm_bytes_per_s=4e12)
+    slow = _calibrated(tmp_path, "d.json", launch_s=2.5e-6, program_s=20e-6,
+                       hbm_bytes_per_s=2e12)
+    m0, mk, mp, mb = (CostModel(K=4, hw=cs.mid) for cs in (base, kern, prog, slow))
+    for args in ((0, 1, [1024]), (4, 8, [4096] * 8), (2, 32, [512] * 32)):
+        c0 = m0.decode(*args)
+        assert c0.kernels > 100
+        assert mk.decode(*args).seconds - c0.seconds == pytest.approx(c0.kernels * 2.5e-6,
+                                                                      rel=1e-9)
+        assert mp.decode(*args).seconds - c0.seconds == pytest.approx(30e-6, rel=1e-9)
+        byte_s = c0.total_bytes / 4e12
+        assert byte_s > c0.flops / H200.bf16_flops_per_s               # memory-bound
+        assert mb.decode(*args).seconds - c0.seconds == pytest.approx(byte_s, rel=1e-9)
+    # the clock prices with the calibrated mid and keeps the calibrated range
+    clock = VirtualClock(mk, fast=kern.fast, slow=kern.slow)
+    s = clock.launch(("decode", 0, 1), [1024])
+    assert s == mk.decode(0, 1, [1024]).seconds
+    assert clock.device_range["fast"] < s < clock.device_range["slow"]
+    assert clock.report()["hardware"]["origin"].startswith("calibrated from")
+
+
+@pytest.mark.parametrize("change,expect", [
+    (lambda d: d["constants"].pop("launch_s"), "constants.launch_s is missing"),
+    (lambda d: (d["constants"].pop("program_s"), d["errors"].update(
+        program_s="skipped (time budget)")), "skipped (time budget)"),
+    (lambda d: d["constants"]["hbm_bytes_per_s"].update(value=-4e12),
+     "constants.hbm_bytes_per_s.value must be a positive number"),
+    (lambda d: d["constants"]["hbm_bytes_per_s"].update(value="4e12"),
+     "constants.hbm_bytes_per_s.value must be a positive number"),
+    (lambda d: d["constants"]["launch_s"].update(value=True),
+     "constants.launch_s.value must be a positive number"),
+    (lambda d: d["constants"]["launch_s"].pop("value"), "constants.launch_s.value is missing"),
+    (lambda d: d["constants"]["launch_s"].update(samples=[]), "constants.launch_s.samples"),
+    (lambda d: d["constants"]["launch_s"].update(samples=[1e-6, float("nan")]),
+     "constants.launch_s.samples must be positive"),
+    (lambda d: d["constants"]["program_s"].pop("how"), "constants.program_s.how is missing"),
+    (lambda d: d.update(format="something else"), "format"),
+    (lambda d: d.pop("device"), "device.device_kind is missing"),
+    (lambda d: d.pop("date"), "date is missing"),
+    (lambda d: d.update(smoke=True), "smoke is true"),
+    (lambda d: d.pop("constants"), "constants is missing"),
+])
+def test_a_malformed_calibration_file_is_refused_naming_the_key(tmp_path, change, expect):
+    import copy
+    from calibration_fixtures import DOC, write
+    from mtpjax.cost_model import CalibrationError, load_calibration
+    doc = copy.deepcopy(DOC)
+    change(doc)
+    path = write(tmp_path / "bad.json", doc)
+    with pytest.raises(CalibrationError, match=None) as e:
+        load_calibration(path)
+    assert expect in str(e.value) and path in str(e.value), str(e.value)
+
+
+def test_a_missing_or_unreadable_calibration_file_is_refused(tmp_path):
+    from mtpjax.cost_model import CalibrationError, clock_constants, H200_CONSTANTS
+    with pytest.raises(CalibrationError, match="not found"):
+        clock_constants(str(tmp_path / "nope.json"))
+    (tmp_path / "torn.json").write_text('{"format": ')
+    with pytest.raises(CalibrationError, match="not readable JSON"):
+        clock_constants(str(tmp_path / "torn.json"))
+    (tmp_path / "list.json").write_text("[]")
+    with pytest.raises(CalibrationError, match="not a JSON object"):
+        clock_constants(str(tmp_path / "list.json"))
+    assert clock_constants(None) is H200_CONSTANTS and clock_constants("") is H200_CONSTANTS

@@ -1,7 +1,9 @@
 """`python -m experiments gpu_check` can fail: tests not run on a GPU, skips and fallbacks, a
-float32 engine whose tokens differ from the CPU reference engine's, and a kernel or step floor
-target NOT MET are not ok; and `gpu_check --smoke` (every part, the engine part in interpret
-mode against the reference engine) runs on this CPU and is ok.
+float32 engine whose tokens differ from the CPU reference engine's, a kernel or step floor
+target NOT MET and a clock constant not measured are not ok; and `gpu_check --smoke` (every
+part, the engine part in interpret mode against the reference engine, the calibration at toy
+sizes) runs on this CPU, is ok, and writes a well-formed calibration file. The calibration's
+programs also compile deviceless for the H200, where its kernel chains count as launched.
 
 The verdict logic is tested on crafted reports (gpu_check_report.py, pure functions); the
 end-to-end runs are subprocesses started together (they overlap on 2 cores; the smoke run, the
@@ -12,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import statistics
 import subprocess
 import sys
 
@@ -23,7 +26,7 @@ from experiments.gpu_check_report import (compare_tokens, engine_verdict, failur
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TIMEOUT_S = 480   # a hang guard for the three runs overlapping on 2 cores
-PARTS = ("pytest", "kernels", "engine", "model")
+PARTS = ("pytest", "kernels", "calibrate", "engine", "model")
 
 
 def _junit(tmp_path, cases: str, backend="gpu") -> str:
@@ -88,8 +91,9 @@ def runs(tmp_path_factory):
         # the model part falls back to contiguous KV
         "skip_fallback": ["--smoke", "--parts=kernels,model", "--kernels_budget_s=0",
                           "--page_size=0", "--programs=decode", "--iters=1"],
-        # the happy path: every part, tiny, on this CPU
-        "smoke": ["--smoke"],
+        # the happy path: every part, tiny, on this CPU (the calibration file named, as the
+        # three runs share a folder)
+        "smoke": ["--smoke", f"--calibration_out={tmp / 'smoke_calibration.json'}"],
     }
     procs = {name: subprocess.Popen(
         [sys.executable, "-m", "experiments", "gpu_check", *args, f"--out={tmp / name}.json"],
@@ -340,3 +344,108 @@ def test_smoke_run_is_ok_and_reports_every_part(runs):
     for part in ("gpu_check summary", "engine: checkpoints/tiny", "-> equal (gated",
                  "-> n/a", "cost model ("):
         assert part in text, part
+
+
+# --------------------------------------------------------------------------------------------
+# The calibrate part (experiments/gpu_calibration.py)
+# --------------------------------------------------------------------------------------------
+
+def test_smoke_run_writes_a_well_formed_calibration_file(runs):
+    """--smoke: the calibration file beside the report has every key the clock reads, positive
+    constants with their samples, the device and date, the decode step at 1 and 2 lanes beside
+    the cost model; the clock refuses it (toy sizes), naming why."""
+    from mtpjax.cost_model import (CALIBRATED, CalibrationError, check_calibration,
+                                   load_calibration)
+    rc, doc, text = runs["smoke"]
+    path = doc["calibrate"]["file"]
+    assert path.endswith("smoke_calibration.json") and doc["calibrate"]["errors"] == {}
+    with open(path) as f:
+        cal = json.load(f)
+    check_calibration(cal, path, allow_smoke=True)
+    assert cal["smoke"] is True and cal["partial"] is False
+    assert cal["device"]["backend"] == "cpu" and cal["device"]["jax"] and cal["date"]
+    for n in CALIBRATED:
+        c = cal["constants"][n]
+        assert c["value"] > 0 and all(x > 0 for x in c["samples"]) and c["how"], (n, c)
+    # XLA:CPU fuses the chain into one loop (it drops the barriers): the count falls back to
+    # the links, and says so (the H200's count: test_calibration_programs_compile_deviceless)
+    raw = cal["constants"]["launch_s"]["raw"]
+    assert raw["kernels_per_step_of_chain"] == (raw["kernels_2N"] - raw["kernels_N"]
+                                                if raw["counted"] else raw["n"]), raw
+    assert raw["counted"] or "assumed" in cal["constants"]["launch_s"]["how"]
+    rows = cal["steps"]["rows"]
+    assert [(r["batch"], r["program"]) for r in rows] == [(1, "decode"), (2, "decode")]
+    for r in rows:
+        assert r["median_s"] > 0 and r["predicted_s"] > 0 and r["predicted_s_published"] > 0
+        assert r["calibrated_constants_used"] == sorted(CALIBRATED)
+    assert {r["batch"] for r in doc["model"]["results"] if r["program"] == "decode"} == {1, 2}
+    with pytest.raises(CalibrationError, match="smoke is true"):
+        load_calibration(path)
+    assert "calibrate -> " in text and "decode B=2" in text
+
+
+def test_calibrate_in_process_at_smoke_size_and_with_no_time_left():
+    """run_calibrate on this CPU: three positive constants (program_s less the kernel's launch
+    cost); with the box already spent every constant is skipped, and each is a failure of
+    the part, and the file made from it is refused naming the first."""
+    import time as time_
+    from experiments import gpu_calibration
+    from mtpjax.cost_model import CalibrationError, check_calibration
+    cal = gpu_calibration.run_calibrate(True, time_.monotonic() + 300, log=lambda *a: None)
+    assert cal["errors"] == {}, cal["errors"]
+    assert all(c["value"] > 0 for c in cal["constants"].values())
+    p = cal["constants"]["program_s"]
+    assert p["value"] == pytest.approx(statistics.median(
+        [r - cal["constants"]["launch_s"]["value"] * p["raw"]["kernels"]
+         for r in p["raw"]["call_round_medians_s"]]))
+    none = gpu_calibration.run_calibrate(True, time_.monotonic() - 1, log=lambda *a: None)
+    assert none["constants"] == {} and set(none["errors"].values()) == {"skipped (time budget)"}
+    v = finish({"calibrate": none}, [], PARTS)
+    assert v["failed_parts"] == ["calibrate"] and "calibrate: launch_s: skipped (time budget)" \
+        in v["failures"]
+    doc = gpu_calibration.calibration_doc({"device_kind": "NVIDIA H200"}, "2026-12-07", False,
+                                          none, None, False)
+    with pytest.raises(CalibrationError, match=r"hbm_bytes_per_s is missing \(the run says: "
+                                               r"skipped \(time budget\)\)"):
+        check_calibration(doc)
+
+
+def test_step_rows_price_the_timed_steps_at_the_calibrated_constants():
+    """Each timed decode step beside CostModel.decode(0, B) at the calibrated constants and at
+    the published ones: a calibrated kernel cost 2.5 us above the published one raises the
+    prediction by exactly kernels x 2.5 us; a lane count not timed is listed as such."""
+    from experiments import gpu_calibration
+    from mtpjax.config import qwen3_5_27b
+    from mtpjax.cost_model import H200
+    from mtpjax.h200_kernel_counts import COUNTS
+    res = [{"program": "decode", "batch": b, "context_len": 1024, "median_s": 0.02,
+            "min_s": 0.019, "p90_s": 0.021} for b in (1, 8)]
+    res.append({"program": "decode", "batch": 32, "context_len": 1024, "skipped": "time budget"})
+    rows = gpu_calibration.step_rows(qwen3_5_27b(), res, [1, 8, 32], 1024, weights="bf16",
+                                     page_size=16, calibrated={"launch_s": H200.launch_s + 2.5e-6})
+    table = COUNTS[("bf16", 0, 16)]                                   # the stock step's
+    assert [r["predicted_kernels"] for r in rows[:2]] == [table[("decode", 0, b)] for b in (1, 8)]
+    for r in rows[:2]:
+        assert r["predicted_s"] - r["predicted_s_published"] == pytest.approx(
+            r["predicted_kernels"] * 2.5e-6, rel=1e-9)
+        assert r["x_predicted"] == pytest.approx(0.02 / r["predicted_s"])
+        assert r["calibrated_constants_used"] == ["launch_s"]
+    assert rows[2] == {"program": "decode", "batch": 32, "context_len": 1024, "layers": 64,
+                       "skipped": "time budget"}
+
+
+def test_calibration_programs_compile_deviceless_for_the_h200():
+    """The GPU path lowers and compiles for an H200 (XLA's GPU pipeline, no device): the
+    chains' kernels survive fusion (2N kernels are N more than N, about one per link), the
+    reads and the one-kernel program are a few kernels each."""
+    import jax
+    from experiments import aot_programs, gpu_calibration
+    from experiments.hlo_audit import traffic
+    sh = jax.sharding.SingleDeviceSharding(aot_programs.target_device("h200"))
+    counts = {}
+    for name, (fn, args) in gpu_calibration.abstract_programs(smoke=False).items():
+        args = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh) for a in args]
+        counts[name] = traffic(fn.lower(*args).compile().as_text()).count()
+    n = gpu_calibration.SIZES[False]["chain_n"]
+    assert n <= counts["chain_N"] <= n + 4 and counts["chain_2N"] - counts["chain_N"] == n, counts
+    assert max(counts[k] for k in ("read_S", "read_2S", "copy_S", "copy_2S", "tiny")) <= 3, counts

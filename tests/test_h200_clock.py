@@ -208,6 +208,48 @@ def test_clock_must_price_this_engines_shapes():
     assert "not timed" in card_lib.predicted_words() and "one H200" in card_lib.predicted_words()
 
 
+def test_a_calibration_file_prices_the_clock_and_every_report_names_it(tmp_path):
+    """--clock_calibration=PATH: make_clock prices at the file's mid set and keeps its range;
+    the report words say "calibrated from PATH: device, jax, date" (else "published figures
+    and assumptions"), from the path or from a card's clock report; clock_check takes it
+    too; a calibration without --clock=h200, or a bad file, fails in the
+    judge's config check, before anything loads."""
+    import copy
+    from calibration_fixtures import DOC, write
+    from experiments import clock_check
+    from mtpjax.cost_model import H200_FAST, H200_SLOW, CalibrationError, load_calibration
+    path = write(tmp_path / "cal.json")
+    cs = load_calibration(path)
+    c = card_lib.make_clock("h200", K, page_size=16, calibration=path)
+    plain = card_lib.make_clock("h200", K, page_size=16)
+    assert c.model.hw == cs.mid and c.range_hw == cs.by_name()
+    assert (plain.range_hw["fast"], plain.range_hw["slow"]) == (H200_FAST, H200_SLOW)
+    s = c.launch(("decode", 0, 1), [100])
+    assert s == CostModel(K=K, page_size=16, hw=cs.mid).decode(0, 1, [100]).seconds
+    assert s != plain.launch(("decode", 0, 1), [100])
+    words = card_lib.predicted_words(calibration=path)
+    assert (f"calibrated from {path}: NVIDIA H200, jax 0.11.2, 2026-12-07" in words
+            and "4.2 TB/s, 2 us a kernel, 15 us a program" in words), words
+    assert "published figures and assumptions" in card_lib.predicted_words()
+    assert card_lib.predicted_words(hardware=c.report()["hardware"]) == words
+    rng = {"h200": {"range": {"specscore": [1.0, 1.1, 1.2], "workloads": {}},
+                    "model": {"hardware": c.report()["hardware"]}}}
+    assert "mid calibrated" in card_lib.render_range_md(rng)[0]
+    assert clock_check.check(calibration=path)["constants"] == cs.origin
+    assert (clock_check.check(calibration=path)["rows"][1]["tpot_ms"]
+            != clock_check.check()["rows"][1]["tpot_ms"])
+    with pytest.raises(ValueError, match="--clock=h200"):
+        card_lib.make_clock("wall", K, calibration=path)
+    with pytest.raises(ValueError, match="--clock=h200"):
+        judge.check_config(judge.JudgeConfig(clock="wall", clock_calibration=path))
+    judge.check_config(judge.JudgeConfig(clock="h200", clock_calibration=path))
+    bad = copy.deepcopy(DOC)
+    del bad["constants"]["hbm_bytes_per_s"]
+    with pytest.raises(CalibrationError, match="constants.hbm_bytes_per_s is missing"):
+        judge.check_config(judge.JudgeConfig(clock="h200",
+                                             clock_calibration=write(tmp_path / "b.json", bad)))
+
+
 @pytest.fixture(scope="module")
 def judge_ckpt(tmp_path_factory):
     return write_judge_checkpoint(str(tmp_path_factory.mktemp("clock_judge")), peaky=40.0)
@@ -219,13 +261,18 @@ def test_judge_card_on_the_h200_clock(judge_ckpt, tmp_path):
     token at one lane, plus host time), not this CPU's; card.md says so near the top. With a
     long-context workload beside it (solo_32k: the same prompts, priced 32,768 tokens longer):
     SpecScore stays solo's, solo_32k's tokens cost more, its first token pays the long
-    prefill, and the card says how it was made."""
+    prefill, and the card says how it was made. The clock runs on a calibration file's
+    constants (--clock_calibration): every price is at its mid set, and the card names it."""
+    from calibration_fixtures import write
+    from mtpjax.cost_model import load_calibration
+    cal = write(tmp_path / "cal.json")
+    hw = load_calibration(cal).mid
     jc = judge.JudgeConfig(
         checkpoint=judge_ckpt, out_dir=str(tmp_path), passes=1, workloads=("solo", "solo_32k"),
         solo_requests=1, team_lanes=2, team_requests=2, busy_lanes=2, busy_requests=2,
         prompt_tokens=16, max_new_tokens=6, gate_prompts=2, fidelity_tokens=2,
         progress=False, limits=gate.Limits(busy_page_use_floor=0.5), k=1,
-        prefill_buckets=(16,), fidelity_lanes=1, clock="h200")
+        prefill_buckets=(16,), fidelity_lanes=1, clock="h200", clock_calibration=cal)
     card = judge.run_judge(jc)
     on_disk = json.load(open(tmp_path / "card.json"))
     for key in ("ratios", "specscore", "greedy_agreement", "likelihood", "argmax", "fidelity",
@@ -236,7 +283,7 @@ def test_judge_card_on_the_h200_clock(judge_ckpt, tmp_path):
     assert on_disk["clock"] == "h200" and card["reason"] is None, card["checks"]
     solo = on_disk["h200"]["workloads"]["solo"]
     for name, kk in (("stock", 0), ("candidate", 1)):
-        model = CostModel(K=kk)
+        model = CostModel(K=kk, hw=hw)
         d0 = model.decode(0, 1, [16]).seconds
         v = solo[name]
         assert v["device_s"] > 0 and v["host_s"] > 0 and 0 < v["host_share"] < 1
@@ -266,7 +313,7 @@ def test_judge_card_on_the_h200_clock(judge_ckpt, tmp_path):
     for name in ("stock", "candidate"):
         assert long_ms[name][1] > rg["workloads"]["solo"]["ms_per_token"][name][1], name
         assert on_disk["ttft_ms"]["solo_32k"][name] > 1e3 * sum(
-            CostModel(K=0).prefill(2048, s).seconds for s in range(0, 32768, 2048))
+            CostModel(K=0, hw=hw).prefill(2048, s).seconds for s in range(0, 32768, 2048))
         # the 32k prefill left out: well under the all-in ms per token
         dec = rg["workloads"]["solo_32k"]["ms_per_token_without_long_prefill_mid"][name]
         assert 0 < dec < 0.5 * long_ms[name][1], (dec, long_ms[name])
@@ -276,6 +323,10 @@ def test_judge_card_on_the_h200_clock(judge_ckpt, tmp_path):
     assert "Long-context workloads (solo_32k: 32,768 tokens)" in md
     assert "Range over the clock's constants" in md and "SpecScore [" in md
     assert "predicted for Qwen3.5-27B on one H200 by the cost model, not timed" in md[:400]
+    assert f"calibrated from {cal}: NVIDIA H200" in md[:900], md[:900]
+    assert "mid calibrated, fast / slow the calibration's extremes" in md
+    assert on_disk["h200"]["range"]["constants"] == hw.origin
+    assert on_disk["h200"]["model"]["hardware"]["launch_s"] == hw.launch_s
     assert "Host time on the clock" in md and "TTFT ms" in md and "clock h200" in md
 
 
