@@ -180,7 +180,7 @@ def max_seq_len_for(prompt_tokens: int, new_tokens: int) -> int:
 def make_engine(cfg, params, lanes: int, depth: int | str, depths, max_seq_len: int,
                 kernels: str | None, page_size: int = 16, lane_slots: int | None = None,
                 clock: str = "wall", simulate_acceptance: str | None = None,
-                clock_calibration: str | None = None):
+                clock_calibration: str | None = None, overlap: bool = True):
     """The cell's engine: depth 0 = the stock engine; depth d >= 1 = K = adaptive_k(depths)
     draft slots with the fixed policy at d; adaptive = K slots, adaptive policy. Stop tokens
     off (see top). lane_slots (default lanes): the device state's lane slots (the Engine's
@@ -189,7 +189,8 @@ def make_engine(cfg, params, lanes: int, depth: int | str, depths, max_seq_len: 
     clock "h200": the engine times itself on its own cost_model.VirtualClock
     (experiments/card.py make_clock; clock_calibration: its constants from a gpu_check
     calibration file). simulate_acceptance: a profile each verify step's
-    acceptance is drawn from (mtpjax/simulated_acceptance.py; timing only)."""
+    acceptance is drawn from (mtpjax/simulated_acceptance.py; timing only). overlap: the
+    engine's loop (False: the serial loop, for before/after comparisons)."""
     import mtpjax
     from experiments import card as card_lib
     from mtpjax.engine.scheduler import SpeculationPolicy
@@ -203,7 +204,8 @@ def make_engine(cfg, params, lanes: int, depth: int | str, depths, max_seq_len: 
                          clock=card_lib.make_clock(clock, k, weights=card_lib.clock_weights(params),
                                                    page_size=page_size,
                                                    calibration=clock_calibration),
-                         simulate_acceptance=card_lib.simulator(simulate_acceptance) if k else None)
+                         simulate_acceptance=card_lib.simulator(simulate_acceptance) if k else None,
+                         overlap=overlap)
 
 
 def run_pass(engine, prompts, sampling) -> dict:
@@ -230,7 +232,8 @@ def run_pass(engine, prompts, sampling) -> dict:
         "output_lengths": [len(o.token_ids) for o in outs],
         "steps": int(st["steps"]), "depth_steps": [int(x) for x in engine.depth_steps],
         "step_s": float(st["step_s"]), "prefill_s": float(st["prefill_s"]),
-        "host_s": float(st["host_s"]),
+        "host_s": float(st["host_s"]), "host_work_s": float(st.get("host_work_s", 0.0)),
+        "launches": int(st.get("launches", 0)), "overlapped": int(st.get("overlapped", 0)),
         "lane_steps": sum(sum(o.stats.depth_steps) for o in outs),
         "verify_steps": sum(o.stats.verify_steps for o in outs),
         "accepted_tokens": sum(o.stats.accepted_tokens for o in outs),

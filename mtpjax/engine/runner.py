@@ -442,6 +442,7 @@ class ModelRunner:
             if flight.outputs is not None and flight.ready_seen is None:
                 if not _ready(flight.outputs[1]):
                     jax.block_until_ready(flight.outputs[1])
+                    flight.busy_seen = time.perf_counter()   # running until (about) now
                 flight.ready_seen = time.perf_counter()
             if flight.tail_seen is None:
                 if not _ready(flight.tail):
