@@ -45,7 +45,7 @@ import threading
 from typing import Callable, Protocol
 
 from mtpjax.engine.kv_pool import PageAllocator, pages_for, tokens_touched_decode
-from mtpjax.engine.prefix_cache import PrefixCache
+from mtpjax.engine.prefix_cache import PrefixCache, block_hashes
 from mtpjax.sampling_params import SamplingParams
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ERROR, FINISH_CANCELLED = "stop", "length", "error", "cancelled"
@@ -71,6 +71,9 @@ class RequestStats:
     # a verify step nor a plain one (the prefill's last step, in other engines' terms)
     first_steps: int = 0
     preemptions: int = 0
+    # prompt tokens served from the prefix cache at its first admission (the hit boundary;
+    # 0 on a miss), kept after a preemption: OpenAI's usage.prompt_tokens_details.cached_tokens
+    cached_tokens: int = 0
 
     @staticmethod
     def for_depth(num_draft_slots: int) -> "RequestStats":
@@ -138,6 +141,7 @@ class Lane:
     restore: int | None = None   # prefix hit: snapshot slot to load before its next prefill
     reset: bool = False       # its GDN state belongs to seq (a chunk from 0 ran, or a restore)
     snapped: int = 0          # its last snapshot boundary (prefix cache)
+    hashes: list[int] = dataclasses.field(default_factory=list)  # block_hashes(seq)
 
     @property
     def prefilling(self) -> bool:
@@ -268,7 +272,6 @@ class Scheduler:
         self.mixed_depth = k if mixed_depth is None else max(0, min(int(mixed_depth), k))
         self.chunk = prefill_chunk
         self.cache = prefix_cache
-        self.every_blocks = prefix_cache.every_blocks if prefix_cache is not None else 0
         self.policy = policy or SpeculationPolicy()
         self.on_token = on_token
         # lanes: requests decoded together (default: every lane slot of the allocator);
@@ -391,9 +394,13 @@ class Scheduler:
             ln = Lane(req, seq)
             if self.cache is not None:
                 self.cache.admitted(len(seq), hit)
+            if not req.stats.preemptions:    # the first admission's hit is the request's
+                req.stats.cached_tokens = hit.length if hit is not None else 0
             if hit is not None:
                 ln.prefilled, ln.restore, ln.reset = hit.length, hit.slot, True
                 ln.snapped = hit.length
+            if self.cache is not None:       # its path, for `prefill_done`'s junction
+                ln.hashes = block_hashes(seq, self.alloc.page_size)
             self.lanes[lane] = ln
 
     def _preempt(self, lane: int) -> int:
@@ -543,20 +550,23 @@ class Scheduler:
 
     # ---------------------------------------------------------------- results
     def prefill_done(self, work: PrefillWork, first_token=None) -> int | None:
-        """Record a prefill chunk. A chunk that ends on a page boundary at least every_blocks
-        pages past the lane's last snapshot, or on the sequence's last page boundary, is a
-        snapshot boundary: returns the slot to save
-        the lane's GDN state into when the prefix cache took it, else None. The entry stays
-        unpublished (no lookup sees it) until `snapshot_saved(slot)`: a save that fails never
-        leaves an entry whose state was not written."""
+        """Record a prefill chunk. A chunk that ends past the lane's last snapshot at a
+        boundary the prefix cache keeps (`PrefixCache.keeps`: the sequence's last page
+        boundary, its head, its junction, or a point of the doubling grid) is a snapshot
+        boundary: returns the slot to save the lane's GDN state into when the prefix cache
+        took it, else None. The entry stays unpublished (no lookup sees it) until
+        `snapshot_saved(slot)`: a save that fails never leaves an entry whose state was not
+        written."""
         ln = self.lanes[work.lane]
         ln.prefilled = L = work.start + len(work.tokens)
         ln.reset = True
-        ps = self.alloc.page_size
-        if (self.cache is not None and L > 0 and L % ps == 0 and L > ln.snapped
-                and (L - ln.snapped >= self.every_blocks * ps or L == self._last_page(ln))):
+        if self.cache is None or L <= ln.snapped:
+            return None
+        last = self._last_page(ln)
+        junction = L < last and self.cache.is_junction(ln.hashes, L, self.chunk)
+        if junction or self.cache.keeps(L, last):
             ln.snapped = L
-            return self.cache.insert(ln.seq, L, work.lane)
+            return self.cache.insert(ln.seq, L, work.lane, head=L == last, shared=junction)
         return None
 
     def snapshot_saved(self, slot: int) -> None:
