@@ -7,13 +7,14 @@
    next turn, heads idling out.
 2. The scheduler with the mock model of tests/test_scheduler.py, whose outputs are computed
    from the context it READS BACK THROUGH THE PAGE TABLE, so a shared page with the wrong
-   tokens, or a lane writing into a cached (frozen) page, changes the outputs or fails here.
+   tokens, or a lane writing into a cached (frozen) page, changes the outputs or fails here;
+   n > 1 siblings wait for the first one's entry and prefill only their tails.
 3. The engine on a tiny random model: outputs with the cache == without, greedy and seeded
    sampling, k = 0..3, multi-turn conversations (turn 2 extends turn 1's prompt + reply),
    under page pressure (eviction and preemption); after drain no page or snapshot is held
    by a request, and clearing the cache returns every page. A conversation's later turn
    reuses its whole previous prompt (to the last page boundary) while other clients send
-   long prompts.
+   long prompts; siblings prefill their prompt once (the runner's prefill token count).
 """
 
 import random
@@ -287,6 +288,35 @@ def test_reclaiming_pages_evicts_leaves_idle_entries_first_and_heads_before_shar
     assert hit_len(c, shared + [4] * 4) == 8 and hit_len(c, head + [0]) == 8
 
 
+def test_siblings_wait_for_the_first_prefill_and_prefill_only_their_tail():
+    """n > 1 (identical prompts submitted together): the first request prefills the prompt;
+    the others wait for its head and are admitted as hits, prefilling only the tokens after
+    the boundary; outputs read through the shared pages are right (mock model)."""
+    k, page_size, n = 2, 4, 30
+    alloc = PageAllocator(60, page_size, 4, 20)
+    cache = PrefixCache(alloc, num_slots=6, snapshot_pages=0, every_blocks=2)
+    m = FrozenGuardMock(alloc, k)
+    s = Scheduler(alloc, num_draft_slots=k, max_seq_len=64, prefill_chunk=8, prefix_cache=cache)
+    prompt = [random.Random(4).randrange(V) for _ in range(n)]
+    sp = SamplingParams(max_new_tokens=6)
+    for i in range(3):
+        s.add(Request(i, prompt, sp, frozenset(), stats=RequestStats.for_depth(k)))
+    prefilled, waited = 0, 0
+    while s.has_work():
+        plan = s.schedule()
+        waited += bool(s.queue) and None in s.lanes
+        for src, dst in plan.moves:
+            m.move(src, dst)
+        prefilled += len(plan.prefill.tokens) if plan.prefill else 0
+        m.step(s, plan)
+        alloc.check()
+    assert waited > 0
+    assert prefilled == (n - 1) + 2 * ((n - 1) - 28)    # the prompt once, then two tails
+    outs = [s.finished[i] for i in range(3)]
+    assert all(o.token_ids == expected(prompt, 6) for o in outs)
+    assert [o.stats.cached_tokens for o in outs] == [0, 28, 28]
+
+
 def _cache(pages=20, slots=2, snap_pages=1):
     a = PageAllocator(pages, 4, 3, 8)
     return a, PrefixCache(a, num_slots=slots, snapshot_pages=snap_pages, every_blocks=2)
@@ -515,6 +545,25 @@ def test_a_later_turn_reuses_its_previous_prompt_while_others_send_long_prompts(
                    for p, o in zip(prompts, got)]
     pc = e.stats()["prefix_cache"]
     assert pc["evicted"] > 0 and pc["superseded"] >= 2, pc
+
+
+def test_n_siblings_prefill_their_prompt_once():
+    """Three requests with one prompt, submitted together (a request with n = 3): the prompt
+    is prefilled once (the runner's prefill token count), each other sibling prefills the
+    token after the last page boundary; the outputs are the cache-off engine's, which
+    prefills it three times."""
+    rng = np.random.default_rng(8)
+    prompt = [int(t) for t in rng.integers(0, 11, 30)]
+    params = [SamplingParams(max_new_tokens=6, temperature=0.9, seed=40 + i) for i in range(3)]
+    off = engine(2, False)
+    want = [o.token_ids for o in off.generate([prompt] * 3, params)]
+    assert len(set(map(tuple, want))) > 1, "the seeds made no difference"
+    e = engine(2, True)
+    got = e.generate([prompt] * 3, params)
+    assert [o.token_ids for o in got] == want
+    assert off.stats()["prefill_tokens"] == 3 * 29
+    assert e.stats()["prefill_tokens"] == 29 + 2 * (29 - 28)
+    assert [o.stats.cached_tokens for o in got] == [0, 28, 28]
 
 
 def test_prefix_cache_arguments_are_checked():

@@ -28,7 +28,8 @@ prefill token budget), the same positions for every request, and, with the cache
 sequence's last page boundary. Of those, a prompt inserts
   - its *head*: its last page boundary, the deepest state its prefill reaches. The next turn
     of a conversation is this prompt + the reply + a new message, so the head is what that
-    turn reuses (all of the previous prompt but < one page);
+    turn reuses (all of the previous prompt but < one page); an n > 1 request's siblings
+    reuse it too (the scheduler holds them until it is published);
   - its *junction* (`is_junction`): the chunk end where its tokens leave the path of a
     cached entry (the last chunk end to which some entry's prefix matches it, the next one
     not), checked as its prefill reaches each chunk end. The prefix it shares with an
@@ -228,6 +229,13 @@ class PrefixCache:
                 e.hit_at = e.used_at
                 return e
         return None
+
+    def pending_at(self, tokens, L: int) -> bool:
+        """Whether an entry for tokens' prefix [0, L) is being saved (inserted, unpublished)."""
+        if L <= 0 or L % self.page_size or L + self.extra > len(tokens) or not self.pending:
+            return False
+        want = tuple(int(t) for t in tokens[:L + self.extra])
+        return any(e.tokens == want for e in self.pending.values())
 
     def admitted(self, n_tokens: int, hit: Entry | None) -> None:
         """Count an admission of a sequence of n_tokens that looked the cache up."""

@@ -86,7 +86,7 @@ def load_replicas(path: str, dtype: str, num_draft_slots: int, tp: int, dp: int,
 
 def _timing() -> dict:
     return {"prefill_s": 0.0, "step_s": 0.0, "host_s": 0.0, "steps": 0, "plain_steps": 0,
-            "mixed_steps": 0, "prefill_chunks": 0, "lane_moves": 0}
+            "mixed_steps": 0, "prefill_chunks": 0, "prefill_tokens": 0, "lane_moves": 0}
 
 
 class ModelRunner:
@@ -295,6 +295,7 @@ class ModelRunner:
         seconds = modelled if clocked else t1 - t0
         if c is not None:
             self.timing["prefill_chunks"] += 1
+            self.timing["prefill_tokens"] += c.n_valid     # the chunk's tokens, not its padding
             if batch.snapshot_slot is not None:    # a boundary the prefix cache took: save
                 (self.cache, self.snaps), saved = self._program(
                     ("snapshot",), lambda: snapshots.save(

@@ -12,7 +12,10 @@ iteration, runs the plan's programs, and reports the tokens back:
      longest cached prefix: on a hit its page table starts with the cached (shared, read-only)
      pages, its prefill starts at the boundary, and the plan restores the boundary's GDN
      snapshot into its lane (Plan.restores). Cached pages count as available: they are
-     evicted (LRU) before any request is preempted.
+     evicted (LRU) before any request is preempted. A request whose prompt's last page
+     boundary another lane is about to snapshot on the same tokens (n > 1 siblings, identical
+     prompts) waits for that entry and is then admitted as a hit: the shared prompt is
+     prefilled once, each sibling prefills only its tail after the boundary (`_awaits_prefix`).
   2b. compaction: the highest busy lanes move into the lowest free ones (Plan.moves), so the
      busy lanes are always 0..n-1 and a decode step's lane bucket holds no idle lane.
   3. work: at most one prefill chunk (the oldest lane still prefilling; chunks end at
@@ -378,10 +381,33 @@ class Scheduler:
         return sum(self.alloc.needed(b, tokens_touched_decode(self._feed_pos(ln), 0))
                    for b, ln in enumerate(self.lanes) if ln is not None)
 
+    def _awaits_prefix(self, seq: list[int]) -> bool:
+        """Whether seq should wait before admission for the prefix-cache entry at its last
+        page boundary B: the entry is pending (its snapshot is being saved), or a lane whose
+        sequence has the same tokens through B (and the keyed token after it), and B as its
+        own last page boundary, has not prefilled up to B yet (it will insert B there, as its
+        head: `prefill_done`). Then seq's prefill would repeat that lane's, token for token;
+        waiting one prefill makes seq a hit at B instead (n > 1 siblings share their prompt's
+        prefill this way). Never a deadlock: the lane runs (oldest prefilling lane first) or
+        ends or is preempted, and a pending entry is published or dropped by its step."""
+        if self.cache is None:
+            return False
+        B = (len(seq) - 1) // self.alloc.page_size * self.alloc.page_size
+        if B <= 0:
+            return False
+        if self.cache.pending_at(seq, B):
+            return True
+        n = B + self.cache.extra
+        return any(ln is not None and ln.prefilled < B and ln.snapped < B
+                   and self._last_page(ln) == B and ln.seq[:n] == seq[:n]
+                   for ln in self.lanes)
+
     def _admit(self) -> None:
         while self.queue and None in self.lanes:
             req = self.queue[0]
             seq = req.prompt + req.out
+            if self._awaits_prefix(seq):     # oldest first: the queue waits behind it
+                return
             lane = self.lanes.index(None)
             hit = self.cache.lookup(seq) if self.cache is not None else None
             if hit is not None:
