@@ -44,6 +44,12 @@ flags.DEFINE_list("prefill_buckets", None, "padded prefill chunk lengths, one co
 flags.DEFINE_integer("page_size", 16, "KV page size in tokens")
 flags.DEFINE_integer("num_pages", 0, "KV pool pages; 0 = every lane at full context")
 flags.DEFINE_boolean("prefix_cache", True, "reuse cached prompt prefixes across requests")
+flags.DEFINE_integer("prefix_snapshots", 0, "GDN snapshot slots of the prefix cache (one per "
+                     "cached boundary; each live conversation keeps one; 151 MB each at 27B); "
+                     "0 = min(max(2 * max_lanes, 4), 32)")
+flags.DEFINE_integer("snapshot_every_blocks", 4, "the prefix cache's shared-prefix boundaries "
+                     "sit at this many pages x 1, 2, 4, 8, ... (besides each prompt's last "
+                     "page boundary)")
 flags.DEFINE_enum("dtype", "float32", ["float32", "bfloat16"], "compute dtype")
 flags.DEFINE_string("kernels", None, "gdn/attention kernels (default: pallas on GPU, "
                     "reference elsewhere)")
@@ -73,6 +79,7 @@ def config_of(f=FLAGS) -> ServerConfig:
         max_lanes=f.max_lanes, max_seq_len=f.max_seq_len, prefill_chunk=f.prefill_chunk,
         prefill_buckets=tuple(int(b) for b in f.prefill_buckets) if f.prefill_buckets else None,
         page_size=f.page_size, num_pages=f.num_pages, prefix_cache=f.prefix_cache,
+        prefix_snapshots=f.prefix_snapshots, snapshot_every_blocks=f.snapshot_every_blocks,
         dtype=f.dtype, kernels=f.kernels, tp=f.tp, dp=f.dp, weights=f.weights,
         mtp_weights=f.mtp_weights, warmup=f.warmup,
         max_consecutive_failures=f.max_consecutive_failures,

@@ -26,7 +26,7 @@ from mtpjax.sampling import SamplingParams
 
 # stats() fields that add up over replicas
 _SUMMED = ("free_pages", "total_pages", "preemptions", "max_lanes", "steps", "plain_steps",
-           "prefill_chunks", "lane_moves", "compiled_programs", "cached_pages")
+           "prefill_chunks", "prefill_tokens", "lane_moves", "compiled_programs", "cached_pages")
 
 
 class DataParallelEngine:

@@ -229,26 +229,33 @@ def test_a_failing_snapshot_save_publishes_no_entry(plain, monkeypatch):
 
 
 def test_a_hot_system_prompt_survives_a_long_prompt():
-    """A 200-token system prompt hit by every request keeps its entries while a 4,000-token
-    prompt (63 chunk ends, each an entry) goes through a store of 4 snapshot slots."""
+    """A 200-token system prompt shared by every request: the second request finds where it
+    leaves the first one's path (its junction, the chunk end 192) and caches it, so the third
+    reuses 192 tokens. A 4,000-token prompt then goes through a store of 6 snapshot slots
+    inserting only its doubling grid and its head (7 entries, not one per chunk end): it
+    evicts neither the system prompt's entry nor a conversation's head (the pool has room
+    for them beside it: a request short of pages would take the heads' pages first,
+    tests/test_prefix_cache.py)."""
     rng = np.random.default_rng(1)
     system = list(map(int, rng.integers(0, 11, 200)))
     # one prefill bucket (the chunk): a program per bucket would only cost compiles here
     e = mtpjax.Engine(CFG, PARAMS, num_speculative_tokens=1, max_lanes=1, max_seq_len=4200,
                       prefill_chunk=64, prefill_buckets=[64], page_size=16, kernels="reference",
-                      prefix_snapshots=4)
+                      prefix_snapshots=6, num_pages=300)
     sp = SamplingParams(max_new_tokens=2)
     user = lambda: list(map(int, rng.integers(0, 11, 30)))
-    e.generate([system + user()], sp)
-    e.generate([system + user()], sp)                  # hits 192: the entry is hot now
+    e.generate([system + user()], sp)                  # caches 64, 128 (grid), 224 (head)
+    e.generate([system + user()], sp)                  # hits 128, caches 192 (junction)
+    e.generate([system + user()], sp)                  # hits 192
     before = e.stats()["prefix_cache"]
-    assert before["hits"] == 1 and before["tokens_reused"] == 192
+    assert before["hits"] == 2 and before["tokens_reused"] == 128 + 192, before
     e.generate([list(map(int, rng.integers(0, 11, 4000)))], sp)
     mid = e.stats()["prefix_cache"]
-    assert mid["evicted"] > 50                          # the long prompt's entries churned
+    assert mid["inserted"] - before["inserted"] == 7, mid      # 64 .. 2048, and 3984
+    assert mid["live_heads"] == 4 and mid["shared_in_use"] == 2, mid
     e.generate([system + user()], sp)
     after = e.stats()["prefix_cache"]
-    assert after["hits"] == 2 and after["tokens_reused"] == 2 * 192
+    assert after["hits"] == 3 and after["tokens_reused"] == 128 + 2 * 192, after
 
 
 def test_trained_head_mixed_iterations_equal_plain():

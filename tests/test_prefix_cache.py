@@ -1,14 +1,20 @@
 """Prefix cache (mtpjax/engine/prefix_cache.py, snapshots.py, kv_pool refcounts): exact reuse.
 
 1. Host side: the boundaries, the key (it includes the token after the prefix: the MTP KV of
-   the last cached position depends on it), LRU eviction, reference counts.
+   the last cached position depends on it), reference counts, and the policy: which
+   boundaries a prompt inserts (its head and a doubling grid: a bounded number), LRU aging
+   with live conversation heads kept ahead of every other entry, heads superseded by the
+   next turn, heads idling out.
 2. The scheduler with the mock model of tests/test_scheduler.py, whose outputs are computed
    from the context it READS BACK THROUGH THE PAGE TABLE, so a shared page with the wrong
-   tokens, or a lane writing into a cached (frozen) page, changes the outputs or fails here.
+   tokens, or a lane writing into a cached (frozen) page, changes the outputs or fails here;
+   n > 1 siblings wait for the first one's entry and prefill only their tails.
 3. The engine on a tiny random model: outputs with the cache == without, greedy and seeded
    sampling, k = 0..3, multi-turn conversations (turn 2 extends turn 1's prompt + reply),
    under page pressure (eviction and preemption); after drain no page or snapshot is held
-   by a request, and clearing the cache returns every page.
+   by a request, and clearing the cache returns every page. A conversation's later turn
+   reuses its whole previous prompt (to the last page boundary) while other clients send
+   long prompts; siblings prefill their prompt once (the runner's prefill token count).
 """
 
 import random
@@ -38,9 +44,9 @@ def put(c, seq, L, lane):
 
 @pytest.mark.parametrize("n,chunks_want,saved_want", [
     # 30 tokens: chunks at multiples of 8, then the last page boundary (28), the last token
-    # (29) joins decode
+    # (29) joins decode; snapshots on the doubling grid 4 * 2^j (8, 16: not 24) and at 28
     (30, [(0, 8, False), (8, 16, False), (16, 24, False), (24, 28, False), (28, 29, True)],
-     [8, 16, 24, 28]),
+     [8, 16, 28]),
     # a prompt shorter than the chunk still leaves a snapshot at its last page boundary (what
     # a chat's next turn shares)
     (7, [(0, 4, False), (4, 6, True)], [4]),
@@ -49,8 +55,8 @@ def put(c, seq, L, lane):
 ])
 def test_chunks_end_at_multiples_of_the_budget_and_snapshot_there(n, chunks_want, saved_want):
     """The token budget (prefill_chunk) sets the chunks, the same positions for every
-    request; snapshots are taken at page-aligned chunk ends and at the prompt's last page
-    boundary; the last token joins decode."""
+    request; snapshots are taken at chunk ends on the doubling grid and at the prompt's last
+    page boundary; the last token joins decode."""
     alloc = PageAllocator(100, 4, 2, 40)
     cache = PrefixCache(alloc, num_slots=8, snapshot_pages=0, every_blocks=1)
     s = Scheduler(alloc, num_draft_slots=1, max_seq_len=128, prefill_chunk=8, prefix_cache=cache)
@@ -90,22 +96,225 @@ def test_an_entry_is_visible_only_after_its_snapshot_is_saved():
     assert c.lookup(seq).length == 8
 
 
-def test_entries_that_were_hit_outlive_a_stream_of_fresh_ones():
-    """Segmented LRU: a long prompt's many entries evict each other, not a hot prefix."""
-    a = PageAllocator(200, 4, 3, 16)
-    c = PrefixCache(a, num_slots=4, snapshot_pages=0, every_blocks=2)
-    hot = [7] * 9
-    a.reserve(0, 9)
-    put(c, hot, 8, 0)
+class Clock:
+    """Seconds that pass only when a test says so."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def policy_cache(slots, pages=400, live_s=600.0):
+    """A cache of `slots` snapshots over a roomy pool (page size 4, 3 lanes of 40 pages),
+    with its own clock; the grid starts at 2 pages (8 tokens)."""
+    a = PageAllocator(pages, 4, 3, 40)
+    clock = Clock()
+    return a, PrefixCache(a, num_slots=slots, snapshot_pages=0, every_blocks=2,
+                          live_s=live_s, clock=clock), clock
+
+
+def prefill(a, c, seq, lane=0, chunk=8):
+    """What the scheduler inserts for a prompt prefilled from 0 in chunks of `chunk` (its
+    page boundaries that `keeps` takes, its last page boundary as head), published at once;
+    the lane's pages then go back (the request ended). Returns the boundaries taken."""
+    a.reserve(lane, len(seq))
+    last = (len(seq) - 1) // 4 * 4
+    ends = sorted(set(range(chunk, len(seq) - 1, chunk)) | {last})
+    taken = [L for L in ends if c.keeps(L, last) and put2(c, seq, L, lane, L == last)]
+    a.free(lane)
+    return taken
+
+
+def put2(c, seq, L, lane, head):
+    slot = c.insert(seq, L, lane, head=head)
+    if slot is not None:
+        c.publish(slot)
+    return slot is not None
+
+
+def hit_len(c, seq):
+    e = c.lookup(seq)
+    return 0 if e is None else e.length
+
+
+def test_a_long_prompt_inserts_its_head_and_a_doubling_grid_only():
+    """A 2,000-token prompt at chunk 64, page 16, grid 4 pages: 64, 128, 256, 512, 1024 and
+    its head, 6 entries (one per chunk end would be 31)."""
+    a = PageAllocator(200, 16, 1, 130)
+    c = PrefixCache(a, num_slots=40, snapshot_pages=0, every_blocks=4)
+    seq = list(range(2000))
+    last = 1999 // 16 * 16
+    kept = [L for L in range(64, 1999, 64) if c.keeps(L, last)]    # chunk ends; 1984 last
+    assert kept == [64, 128, 256, 512, 1024, 1984]
+    assert not c.keeps(0, last) and not c.keeps(72, 80 + 16) and c.keeps(80, 80)
+    # in the scheduler: the entries a prefill inserts
+    alloc = PageAllocator(200, 16, 1, 130)
+    cache = PrefixCache(alloc, num_slots=40, snapshot_pages=0, every_blocks=4)
+    s = Scheduler(alloc, num_draft_slots=1, max_seq_len=2048, prefill_chunk=64,
+                  prefix_cache=cache)
+    s.add(Request(0, seq, SamplingParams(max_new_tokens=1), frozenset(),
+                  stats=RequestStats.for_depth(1)))
+    saved = []
+    while (w := s.schedule().prefill) is not None:
+        slot = s.prefill_done(w)
+        if slot is not None:
+            saved.append(w.start + len(w.tokens))
+            s.snapshot_saved(slot)
+    assert saved == kept and cache.report()["live_heads"] == 1
+
+
+def test_a_long_foreign_prompt_keeps_live_conversation_heads():
+    """Two conversations wait for their next turn; long prompts of other clients evict their
+    own and the conversations' grid entries, never the conversations' heads. (The old policy,
+    never-hit entries first, evicted the waiting conversations' heads.)"""
+    a, c, clock = policy_cache(slots=4)
+    conv = [[1] * 13, [2] * 13]                      # heads at 12, grid entries at 8
+    for seq in conv:
+        assert prefill(a, c, seq) == [8, 12]
+    for base in (100, 200):
+        clock.now += 5
+        prefill(a, c, [base + i for i in range(50)])  # grid 8, 16, 32, head 48
+    assert [hit_len(c, seq + [7, 7, 7]) for seq in conv] == [12, 12]
+    r = c.report()
+    assert r["live_heads"] == 4 and r["evicted"] >= 8, r
+    # a third long prompt: only live heads are left, so its grid boundaries are refused and
+    # its head evicts the least recently used head (the two conversations were just hit)
+    prefill(a, c, [300 + i for i in range(50)])
+    assert c.report()["refused"] == 3
+    assert [hit_len(c, seq + [7, 7, 7]) for seq in conv] == [12, 12]
+    assert hit_len(c, [100 + i for i in range(50)]) == 0       # the oldest head went
+    assert hit_len(c, [300 + i for i in range(50)]) == 48
+
+
+def test_a_hit_protects_an_entry_for_live_s_only():
+    """An entry that served a hit (a shared prefix in use) outlives fresh grid entries; once
+    no request has hit it for live_s it ages like any entry, LRU (the old rule kept an entry
+    hit once ahead of every never-hit one, forever)."""
+    a, c, clock = policy_cache(slots=3)
+
+    def insert(seq):
+        a.reserve(0, 20)
+        put2(c, seq, 8, 0, False)
+        a.free(0)
+    shared = list(range(40, 60))
+    insert(shared)
+    assert hit_len(c, shared) == 8                        # in use now
+    f1, f2, f3, f4 = [list(range(s, s + 20)) for s in (100, 200, 300, 400)]
+    for seq in (f1, f2, f3):
+        insert(seq)
+    assert hit_len(c, f1) == 0 and c.report()["shared_in_use"] == 1   # f1 went, not shared
+    clock.now += 601                                   # nobody hit it since
+    insert(f4)
+    assert hit_len(c, shared) == 0                        # least recently used: first to go
+    assert [hit_len(c, seq) for seq in (f2, f3, f4)] == [8, 8, 8]
+
+
+def test_a_later_prompt_caches_where_it_leaves_a_shared_prefix():
+    """A 26-token system prompt, chunks of 8, grid 8 * 2^j: the first prompt caches 8, 16
+    (grid) and 32 (its head); the second hits 16, leaves the first one's path at 24 (its
+    junction, a chunk end) and caches it there; the third reuses 24 tokens."""
+    alloc = PageAllocator(200, 4, 1, 20)
+    cache = PrefixCache(alloc, num_slots=8, snapshot_pages=0, every_blocks=2)
+    rng = random.Random(2)
+    system = [rng.randrange(V) for _ in range(26)]
+    hits, saved = [], []
+    for i in range(3):
+        s = Scheduler(alloc, num_draft_slots=0, max_seq_len=64, prefill_chunk=8,
+                      prefix_cache=cache)
+        prompt = system + [rng.randrange(V) for _ in range(10)]
+        s.add(Request(i, prompt, SamplingParams(max_new_tokens=1), frozenset(),
+                      stats=RequestStats.for_depth(0)))
+        mine = []
+        while (w := s.schedule().prefill) is not None:
+            slot = s.prefill_done(w)
+            if slot is not None:
+                mine.append(w.start + len(w.tokens))
+                s.snapshot_saved(slot)
+        hits.append(s.lanes[0].req.stats.cached_tokens)
+        saved.append(mine)
+        s.abort()
+    assert saved == [[8, 16, 32], [24, 32], [32]] and hits == [0, 16, 24]
+
+
+def test_heads_idle_out_of_protection_and_a_next_turn_supersedes_its_head():
+    a, c, clock = policy_cache(slots=2, live_s=60)
+    first = [5] * 13
+    prefill(a, c, first)                               # grid 8, head 12
+    nxt = first + [6] * 8                              # turn 2: prompt + reply + message
+    assert hit_len(c, nxt) == 12
+    a.reserve(0, len(nxt))
+    put2(c, nxt, 20, 0, True)                          # its head supersedes 12
     a.free(0)
-    assert c.lookup(hot + [1]) is not None                     # hit once: protected
-    long = list(range(100, 160))
-    a.reserve(1, 60)
-    for L in range(8, 57, 8):                                  # 7 fresh entries, 3 slots
-        put(c, long, L, 1)
+    r = c.report()
+    assert r["superseded"] == 1 and r["live_heads"] == 1, r
+    assert not next(e for e in c.entries.values() if e.length == 12).head
+    clock.now += 61                                    # the conversation goes quiet
+    assert c.report()["live_heads"] == 0
+    other = list(range(30, 43))
+    prefill(a, c, other)                               # grid 8 evicts, head 12 evicts
+    assert hit_len(c, nxt + [1]) == 0 and hit_len(c, other) == 12
+    with pytest.raises(ValueError, match="live_s must be >= 0"):
+        PrefixCache(a, num_slots=1, snapshot_pages=0, live_s=-1)
+
+
+def test_reclaiming_pages_evicts_leaves_idle_entries_first_and_heads_before_shared():
+    """Requests reclaim KV pages: an idle entry goes before a live head; a prefix whose pages
+    a deeper entry also holds frees nothing, so it stays while that entry is cached; a live
+    head goes before a shared prefix in use (its few pages serve every request)."""
+    a = PageAllocator(12, 4, 3, 8)
+    c = PrefixCache(a, num_slots=6, snapshot_pages=0, every_blocks=2)
+    head, idle = [1] * 13, [2] * 13
+    a.reserve(0, 13)
+    put2(c, head, 8, 0, False)                         # a grid entry: 2 pages ...
+    put2(c, head, 12, 0, True)                         # ... that its head holds too, + 1
+    a.free(0)
+    a.reserve(0, 13)
+    put2(c, idle, 8, 0, False)
+    a.free(0)
+    assert hit_len(c, head + [0]) == 12                # the 8 on its path: no hit, no use
+    assert a.free_pages == 7
+    a.reserve(1, 4 * 8)                                # 8 pages: 7 free + one of the idle's
+    assert hit_len(c, idle) == 0 and hit_len(c, head + [0]) == 12
     a.free(1)
-    assert c.lookup(hot + [2]) is not None
-    assert c.stats.evicted == 4
+    shared = [3] * 13                                  # a prefix in use: hit
+    a.reserve(1, 13)
+    put2(c, shared, 8, 1, False)
+    a.free(1)
+    assert hit_len(c, shared + [4] * 4) == 8
+    assert c.report()["shared_in_use"] == 1
+    a.reserve(2, 4 * 8)                                # frees the head's tail: its 8 stays
+    assert hit_len(c, shared + [4] * 4) == 8 and hit_len(c, head + [0]) == 8
+
+
+def test_siblings_wait_for_the_first_prefill_and_prefill_only_their_tail():
+    """n > 1 (identical prompts submitted together): the first request prefills the prompt;
+    the others wait for its head and are admitted as hits, prefilling only the tokens after
+    the boundary; outputs read through the shared pages are right (mock model)."""
+    k, page_size, n = 2, 4, 30
+    alloc = PageAllocator(60, page_size, 4, 20)
+    cache = PrefixCache(alloc, num_slots=6, snapshot_pages=0, every_blocks=2)
+    m = FrozenGuardMock(alloc, k)
+    s = Scheduler(alloc, num_draft_slots=k, max_seq_len=64, prefill_chunk=8, prefix_cache=cache)
+    prompt = [random.Random(4).randrange(V) for _ in range(n)]
+    sp = SamplingParams(max_new_tokens=6)
+    for i in range(3):
+        s.add(Request(i, prompt, sp, frozenset(), stats=RequestStats.for_depth(k)))
+    prefilled, waited = 0, 0
+    while s.has_work():
+        plan = s.schedule()
+        waited += bool(s.queue) and None in s.lanes
+        for src, dst in plan.moves:
+            m.move(src, dst)
+        prefilled += len(plan.prefill.tokens) if plan.prefill else 0
+        m.step(s, plan)
+        alloc.check()
+    assert waited > 0
+    assert prefilled == (n - 1) + 2 * ((n - 1) - 28)    # the prompt once, then two tails
+    outs = [s.finished[i] for i in range(3)]
+    assert all(o.token_ids == expected(prompt, 6) for o in outs)
+    assert [o.stats.cached_tokens for o in outs] == [0, 28, 28]
 
 
 def _cache(pages=20, slots=2, snap_pages=1):
@@ -311,6 +520,50 @@ def test_engine_cache_under_page_pressure_evicts_and_preempts_exactly():
     e.clear_prefix_cache()
     e.alloc.check()
     assert e.alloc.free_pages == e.num_pages
+
+
+def test_a_later_turn_reuses_its_previous_prompt_while_others_send_long_prompts():
+    """Two conversations on a 4-slot cache; before each of their later turns other clients
+    send long prompts (one entry per chunk end would be 6 each). Every later turn is served
+    from the cache through its previous prompt's last page boundary (cached_tokens), and the
+    outputs are the cache-off engine's."""
+    rng = np.random.default_rng(21)
+    e, ref = engine(2, True, prefix_snapshots=4), engine(2, False)
+    prompts = [[int(t) for t in rng.integers(0, 11, 13)] for _ in range(2)]
+    sp = SamplingParams(max_new_tokens=5)
+    prev = None
+    for turn in range(3):
+        if turn:
+            foreign = [[int(t) for t in rng.integers(0, 11, 50)] for _ in range(2)]
+            e.generate(foreign, SamplingParams(max_new_tokens=2))
+        got = e.generate(prompts, sp)
+        assert [o.token_ids for o in got] == [o.token_ids for o in ref.generate(prompts, sp)]
+        want = [0, 0] if prev is None else [(len(p) - 1) // 4 * 4 for p in prev]
+        assert [o.stats.cached_tokens for o in got] == want, turn
+        prev = prompts
+        prompts = [p + o.token_ids + [int(t) for t in rng.integers(0, 11, 3)]
+                   for p, o in zip(prompts, got)]
+    pc = e.stats()["prefix_cache"]
+    assert pc["evicted"] > 0 and pc["superseded"] >= 2, pc
+
+
+def test_n_siblings_prefill_their_prompt_once():
+    """Three requests with one prompt, submitted together (a request with n = 3): the prompt
+    is prefilled once (the runner's prefill token count), each other sibling prefills the
+    token after the last page boundary; the outputs are the cache-off engine's, which
+    prefills it three times."""
+    rng = np.random.default_rng(8)
+    prompt = [int(t) for t in rng.integers(0, 11, 30)]
+    params = [SamplingParams(max_new_tokens=6, temperature=0.9, seed=40 + i) for i in range(3)]
+    off = engine(2, False)
+    want = [o.token_ids for o in off.generate([prompt] * 3, params)]
+    assert len(set(map(tuple, want))) > 1, "the seeds made no difference"
+    e = engine(2, True)
+    got = e.generate([prompt] * 3, params)
+    assert [o.token_ids for o in got] == want
+    assert off.stats()["prefill_tokens"] == 3 * 29
+    assert e.stats()["prefill_tokens"] == 29 + 2 * (29 - 28)
+    assert [o.stats.cached_tokens for o in got] == [0, 28, 28]
 
 
 def test_prefix_cache_arguments_are_checked():

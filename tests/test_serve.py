@@ -1,10 +1,11 @@
 """`python -m experiments serve` as a real server process on the tiny checkpoint, driven by the
 official `openai` client: concurrent streaming chats give exactly what `TextEngine` gives for
 the same seeds (the checkpoint's chat template renders these chats as the hand-written ChatML
-does), stop strings cut exactly, a killed client's pages return, bad requests (unsupported
-fields included) get 400 with an OpenAI error body without disturbing a running stream, a chat
-with tool calls and tool responses in its history is served, and /metrics parses (as
-prometheus_client's own parser reads it, with counter and gauge types).
+does), stop strings cut exactly, usage reports the prompt tokens the prefix cache served
+(streamed and not, chat and completions), a killed client's pages return, bad requests
+(unsupported fields included) get 400 with an OpenAI error body without disturbing a running
+stream, a chat with tool calls and tool responses in its history is served, and /metrics
+parses (as prometheus_client's own parser reads it, with counter and gauge types).
 
 The reference engine in this process has the server's settings (K = 1, fixed depth, 2 lanes,
 context 128) and computes while the server starts and compiles, so the two overlap.
@@ -232,6 +233,44 @@ def test_non_streaming_chat_and_completion(client, reference):
     assert r.choices[0].text == completion.text
     assert r.choices[0].finish_reason == completion.finish_reason
     assert [m.id for m in client.models.list().data] == ["tiny"]
+
+
+def test_usage_reports_cached_prompt_tokens(client):
+    """usage.prompt_tokens_details.cached_tokens: 0 for a prompt the cache has not seen, then
+    the prompt's last page boundary (16-token pages) for the same prompt again; streamed (the
+    usage chunk) and not, chat and completions."""
+    def cached(usage):
+        return usage.prompt_tokens_details.cached_tokens
+
+    def streamed(create, **kw):
+        (usage,) = [c.usage for c in create(stream=True, stream_options={"include_usage": True},
+                                            **kw) if c.usage is not None]
+        return usage
+
+    msgs = [{"role": "user", "content": "Count the apples in basket number seven and then "
+                                        "the pears in basket number eight, please."}]
+    chat = dict(model="tiny", messages=msgs, max_tokens=3, seed=2, temperature=0.0,
+                extra_body={"chat_template_kwargs": {"enable_thinking": False}})
+    first = client.chat.completions.create(**chat).usage
+    boundary = (first.prompt_tokens - 1) // 16 * 16
+    assert cached(first) == 0 and boundary >= 16
+    assert cached(client.chat.completions.create(**chat).usage) == boundary
+    assert cached(streamed(client.chat.completions.create, **chat)) == boundary
+    text = "The cache keeps this prefix: " + "one two three four five " * 5
+    comp = dict(model="tiny", prompt=text, max_tokens=3, seed=2, temperature=0.0)
+    first = streamed(client.completions.create, **comp)
+    boundary = (first.prompt_tokens - 1) // 16 * 16
+    assert cached(first) == 0 and boundary >= 16
+    assert cached(client.completions.create(**comp).usage) == boundary
+    assert cached(streamed(client.completions.create, **comp)) == boundary
+
+
+@pytest.mark.parametrize("field,value", [("prefix_snapshots", -1),
+                                         ("snapshot_every_blocks", 0)])
+def test_prefix_cache_flags_are_checked(field, value):
+    from mtpjax.serving.app import ServerConfig, load_server
+    with pytest.raises(SystemExit, match=f"--{field} must be"):
+        load_server(ServerConfig(checkpoint=CKPT, warmup=False, **{field: value}))
 
 
 def test_stop_string_cuts_exactly_streaming_and_not(client, reference):

@@ -42,6 +42,7 @@ class Output:
     prompt_tokens: int = 5
     completion_tokens: int = 7
     error: str | None = None
+    cached_tokens: int = 0
 
 
 class Handle:

@@ -131,9 +131,12 @@ prefix_cache: reuse cached prompt prefixes (KV pages + GDN snapshots, see
   prefix_snapshots: GDN snapshot slots, a fixed device allocation beside the pool
   (default min(max(2 * max_lanes, 4), 32); stats()["prefix_cache"]["slot_bytes"]; 151 MB
   each at 27B, so size num_pages and prefix_snapshots together within the memory budget).
-  snapshot_every_blocks: snapshots are taken at page-aligned prefill chunk ends at least
-  this many pages apart (chunks end at multiples of prefill_chunk, the same positions for
-  every request; with prefill_chunk a multiple of the page size, every chunk end).
+  snapshot_every_blocks: besides each prompt's last page boundary (its head, what a
+  conversation's next turn and n > 1 siblings reuse), a prompt's prefill snapshots the
+  chunk ends at this many pages x 1, 2, 4, ... (chunks end at multiples of prefill_chunk,
+  the same positions for every request): a bounded number of entries per prompt, and any
+  shared prefix reused to at least half its length. Eviction is LRU with live
+  conversation heads last (mtpjax/engine/prefix_cache.py).
 mixed_max_depth: the deepest step that carries a prefill chunk (default K; the policy's
   depth is capped to it in those iterations): each depth is one program per ride bucket.
 ride_buckets: the padded lengths of a chunk riding in a decode step, one program per depth

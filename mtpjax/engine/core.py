@@ -168,7 +168,8 @@ class EngineCore:
                                       snapshot_pages=old.snapshot_pages,
                                       snapshot_bytes=old.snapshot_bytes,
                                       every_blocks=old.every_blocks,
-                                      next_token_in_key=bool(old.extra))
+                                      next_token_in_key=bool(old.extra),
+                                      live_s=old.live_s, clock=old.clock)
             self.prefix.stats = old.stats
 
     # ---------------------------------------------------------------- plan -> record

@@ -262,6 +262,11 @@ class PageAllocator:
         self._frozen[pages] = True
         return pages
 
+    def frees_any(self, pages) -> bool:
+        """Whether letting go of one cache hold on each of `pages` (`unhold`) would return a
+        page to the free list: one of them has that hold as its only holder."""
+        return any(self._refs[p] == 1 for p in pages)
+
     def unhold(self, pages) -> None:
         """The prefix cache lets go of pages it held (hold or take)."""
         for p in pages:

@@ -90,7 +90,8 @@ def _timing() -> dict:
     # finishing and the next launch); host_work_s: the host's own seconds between launches
     # (with a clock; overlapped work hides part of them)
     return {"prefill_s": 0.0, "step_s": 0.0, "host_s": 0.0, "host_work_s": 0.0, "steps": 0,
-            "plain_steps": 0, "mixed_steps": 0, "prefill_chunks": 0, "lane_moves": 0,
+            "plain_steps": 0, "mixed_steps": 0, "prefill_chunks": 0, "prefill_tokens": 0,
+            "lane_moves": 0,
             "moves_s": 0.0, "launches": 0, "overlapped": 0}
 
 
@@ -454,6 +455,7 @@ class ModelRunner:
             self._prev_end = flight.tail_seen
         if batch.chunk is not None:
             self.timing["prefill_chunks"] += 1
+            self.timing["prefill_tokens"] += batch.chunk.n_valid   # not its padding
         if not batch.decodes:
             self.timing["prefill_s"] += seconds
             return StepResult(seconds=seconds, compiled=flight.compiled)

@@ -12,7 +12,10 @@ iteration, runs the plan's programs, and reports the tokens back:
      longest cached prefix: on a hit its page table starts with the cached (shared, read-only)
      pages, its prefill starts at the boundary, and the plan restores the boundary's GDN
      snapshot into its lane (Plan.restores). Cached pages count as available: they are
-     evicted (LRU) before any request is preempted.
+     evicted (LRU) before any request is preempted. A request whose prompt's last page
+     boundary another lane is about to snapshot on the same tokens (n > 1 siblings, identical
+     prompts) waits for that entry and is then admitted as a hit: the shared prompt is
+     prefilled once, each sibling prefills only its tail after the boundary (`_awaits_prefix`).
   2b. compaction: the highest busy lanes move into the lowest free ones (Plan.moves), so the
      busy lanes are always 0..n-1 and a decode step's lane bucket holds no idle lane.
   3. work: at most one prefill chunk (the oldest lane still prefilling; chunks end at
@@ -45,7 +48,7 @@ import threading
 from typing import Callable, Protocol
 
 from mtpjax.engine.kv_pool import PageAllocator, pages_for, tokens_touched_decode
-from mtpjax.engine.prefix_cache import PrefixCache
+from mtpjax.engine.prefix_cache import PrefixCache, block_hashes
 from mtpjax.sampling_params import SamplingParams
 
 FINISH_STOP, FINISH_LENGTH, FINISH_ERROR, FINISH_CANCELLED = "stop", "length", "error", "cancelled"
@@ -71,6 +74,9 @@ class RequestStats:
     # a verify step nor a plain one (the prefill's last step, in other engines' terms)
     first_steps: int = 0
     preemptions: int = 0
+    # prompt tokens served from the prefix cache at its first admission (the hit boundary;
+    # 0 on a miss), kept after a preemption: OpenAI's usage.prompt_tokens_details.cached_tokens
+    cached_tokens: int = 0
 
     @staticmethod
     def for_depth(num_draft_slots: int) -> "RequestStats":
@@ -143,6 +149,7 @@ class Lane:
     inflight: int = 0
     held: collections.deque = dataclasses.field(default_factory=collections.deque)  # real
     # drafts the lane held for each of those steps, oldest first (its BatchRow.drafts)
+    hashes: list[int] = dataclasses.field(default_factory=list)  # block_hashes(seq)
 
     @property
     def prefilling(self) -> bool:
@@ -280,7 +287,6 @@ class Scheduler:
         self.mixed_depth = k if mixed_depth is None else max(0, min(int(mixed_depth), k))
         self.chunk = prefill_chunk
         self.cache = prefix_cache
-        self.every_blocks = prefix_cache.every_blocks if prefix_cache is not None else 0
         self.policy = policy or SpeculationPolicy()
         self.on_token = on_token
         # lanes: requests decoded together (default: every lane slot of the allocator);
@@ -413,10 +419,33 @@ class Scheduler:
         return sum(self.alloc.needed(b, tokens_touched_decode(self._feed_pos(ln), 0))
                    for b, ln in enumerate(self.lanes) if ln is not None)
 
+    def _awaits_prefix(self, seq: list[int]) -> bool:
+        """Whether seq should wait before admission for the prefix-cache entry at its last
+        page boundary B: the entry is pending (its snapshot is being saved), or a lane whose
+        sequence has the same tokens through B (and the keyed token after it), and B as its
+        own last page boundary, has not prefilled up to B yet (it will insert B there, as its
+        head: `prefill_done`). Then seq's prefill would repeat that lane's, token for token;
+        waiting one prefill makes seq a hit at B instead (n > 1 siblings share their prompt's
+        prefill this way). Never a deadlock: the lane runs (oldest prefilling lane first) or
+        ends or is preempted, and a pending entry is published or dropped by its step."""
+        if self.cache is None:
+            return False
+        B = (len(seq) - 1) // self.alloc.page_size * self.alloc.page_size
+        if B <= 0:
+            return False
+        if self.cache.pending_at(seq, B):
+            return True
+        n = B + self.cache.extra
+        return any(ln is not None and ln.prefilled < B and ln.snapped < B
+                   and self._last_page(ln) == B and ln.seq[:n] == seq[:n]
+                   for ln in self.lanes)
+
     def _admit(self) -> None:
         while self.queue and None in self.lanes:
             req = self.queue[0]
             seq = req.prompt + req.out
+            if self._awaits_prefix(seq):     # oldest first: the queue waits behind it
+                return
             lane = self.lanes.index(None)
             hit = self.cache.lookup(seq) if self.cache is not None else None
             if hit is not None:
@@ -429,9 +458,13 @@ class Scheduler:
             ln = Lane(req, seq)
             if self.cache is not None:
                 self.cache.admitted(len(seq), hit)
+            if not req.stats.preemptions:    # the first admission's hit is the request's
+                req.stats.cached_tokens = hit.length if hit is not None else 0
             if hit is not None:
                 ln.prefilled, ln.restore, ln.reset = hit.length, hit.slot, True
                 ln.snapped = hit.length
+            if self.cache is not None:       # its path, for `prefill_done`'s junction
+                ln.hashes = block_hashes(seq, self.alloc.page_size)
             self.lanes[lane] = ln
 
     def _preempt(self, lane: int) -> int:
@@ -598,20 +631,23 @@ class Scheduler:
 
     # ---------------------------------------------------------------- results
     def prefill_done(self, work: PrefillWork, first_token=None) -> int | None:
-        """Record a prefill chunk. A chunk that ends on a page boundary at least every_blocks
-        pages past the lane's last snapshot, or on the sequence's last page boundary, is a
-        snapshot boundary: returns the slot to save
-        the lane's GDN state into when the prefix cache took it, else None. The entry stays
-        unpublished (no lookup sees it) until `snapshot_saved(slot)`: a save that fails never
-        leaves an entry whose state was not written."""
+        """Record a prefill chunk. A chunk that ends past the lane's last snapshot at a
+        boundary the prefix cache keeps (`PrefixCache.keeps`: the sequence's last page
+        boundary, its head, its junction, or a point of the doubling grid) is a snapshot
+        boundary: returns the slot to save the lane's GDN state into when the prefix cache
+        took it, else None. The entry stays unpublished (no lookup sees it) until
+        `snapshot_saved(slot)`: a save that fails never leaves an entry whose state was not
+        written."""
         ln = self.lanes[work.lane]
         ln.prefilled = L = work.start + len(work.tokens)
         ln.reset = True
-        ps = self.alloc.page_size
-        if (self.cache is not None and L > 0 and L % ps == 0 and L > ln.snapped
-                and (L - ln.snapped >= self.every_blocks * ps or L == self._last_page(ln))):
+        if self.cache is None or L <= ln.snapped:
+            return None
+        last = self._last_page(ln)
+        junction = L < last and self.cache.is_junction(ln.hashes, L, self.chunk)
+        if junction or self.cache.keeps(L, last):
             ln.snapped = L
-            return self.cache.insert(ln.seq, L, work.lane)
+            return self.cache.insert(ln.seq, L, work.lane, head=L == last, shared=junction)
         return None
 
     def snapshot_saved(self, slot: int) -> None:

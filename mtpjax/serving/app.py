@@ -25,9 +25,12 @@ Request flow:
   4. a client that disconnects cancels its request: its pages return at the next engine step.
 
 `n` > 1: the request becomes n sibling engine requests submitted together (choice i samples
-with seed + i, `ParsedRequest.sibling_params`; they share the prompt through the prefix
-cache); the body has n choices (index 0..n-1), a stream interleaves the choices' chunks as they
-come (`merged_chunks`), usage counts the prompt once and every choice's tokens. `logprobs`
+with seed + i, `ParsedRequest.sibling_params`); with the prefix cache on (the default) the
+first prefills the prompt and the others wait for its entry at the prompt's last page boundary
+and prefill only the tokens after it (scheduler `_awaits_prefix`); the body has n choices
+(index 0..n-1), a stream interleaves the choices' chunks as they come (`merged_chunks`), usage
+counts the prompt once and every choice's tokens. Usage has `prompt_tokens_details.
+cached_tokens` (the prompt tokens the prefix cache served), streamed or not. `logprobs`
 (chat: logprobs + top_logprobs; completions: logprobs 0..5) come from the engine
 (SamplingParams.logprobs: the raw model distribution's, exact under speculation) in OpenAI's
 shapes (`chat_logprobs`, `completion_logprobs`); streamed, each chunk carries its tokens'.
@@ -59,10 +62,14 @@ FINISH = {"stop": "stop", "length": "length", "cancelled": "abort", "error": "er
 
 # ------------------------------------------------------------------------ responses
 def usage(out, more=()) -> dict:
-    """OpenAI's usage of a request: the prompt once, the completion tokens of every choice."""
+    """OpenAI's usage of a request: the prompt once, the completion tokens of every choice,
+    and prompt_tokens_details.cached_tokens, the prompt tokens the prefix cache served (the
+    hit boundary; 0 on a miss). With n > 1 they are the first choice's, as the prompt is
+    counted once: the other choices reuse what the first prefilled for this same request."""
     completion = out.completion_tokens + sum(o.completion_tokens for o in more)
     return {"prompt_tokens": out.prompt_tokens, "completion_tokens": completion,
-            "total_tokens": out.prompt_tokens + completion}
+            "total_tokens": out.prompt_tokens + completion,
+            "prompt_tokens_details": {"cached_tokens": out.cached_tokens}}
 
 
 # ------------------------------------------------------------------------ logprobs
@@ -305,9 +312,9 @@ async def _json_body(request: Request) -> Any:
 
 
 async def _started(online: OnlineEngine, req: ParsedRequest) -> list[RequestHandle]:
-    """Hand the request's n choices to the engine (sibling requests, submitted together: they
-    share the prompt through the prefix cache) and wait until it took them (a refusal -> 400,
-    the other siblings cancelled)."""
+    """Hand the request's n choices to the engine (sibling requests, submitted together: the
+    scheduler prefills their prompt once) and wait until it took them (a refusal -> 400, the
+    other siblings cancelled)."""
     if not online.alive:
         raise APIError("the engine is not running", status=503, type="server_error")
     try:
@@ -484,6 +491,8 @@ class ServerConfig:
     page_size: int = 16
     num_pages: int = 0                      # 0 = every lane at full context
     prefix_cache: bool = True
+    prefix_snapshots: int = 0               # GDN snapshot slots; 0 = the engine's default
+    snapshot_every_blocks: int = 4          # the prefix cache's doubling grid starts here (pages)
     dtype: str = "float32"
     kernels: str | None = None
     tp: int = 1
@@ -520,12 +529,19 @@ def load_server(cfg: ServerConfig, warmup: Callable[[Any], None] | None = None) 
         raise SystemExit(f"tokenizer has {tok.vocab_size} ids but the model's vocab_size is "
                          f"{model_cfg.vocab_size}")
     max_seq_len = max(2, min(cfg.max_seq_len, model_cfg.max_position_embeddings))
+    if cfg.prefix_snapshots < 0:
+        raise SystemExit(f"--prefix_snapshots must be >= 0 (0: the default), got "
+                         f"{cfg.prefix_snapshots}")
+    if cfg.snapshot_every_blocks < 1:
+        raise SystemExit(f"--snapshot_every_blocks must be >= 1, got {cfg.snapshot_every_blocks}")
     engine = mtpjax.Engine.from_checkpoint(
         path, cfg.dtype, cfg.num_speculative_tokens, tp=cfg.tp, max_lanes=cfg.max_lanes,
         max_seq_len=max_seq_len, prefill_chunk=cfg.prefill_chunk, page_size=cfg.page_size,
         prefill_buckets=list(cfg.prefill_buckets) if cfg.prefill_buckets else None,
         num_pages=cfg.num_pages or None, kernels=cfg.kernels, weights=cfg.weights,
         mtp_weights=cfg.mtp_weights, prefix_cache=cfg.prefix_cache,
+        prefix_snapshots=cfg.prefix_snapshots or None,
+        snapshot_every_blocks=cfg.snapshot_every_blocks,
         speculation_policy="adaptive" if cfg.adaptive else "fixed")
     try:      # structured output's tokenizer, built now rather than at the first such request
         engine.grammar_tokenizer

@@ -85,6 +85,11 @@ class OnlineOutput:
     def completion_tokens(self) -> int:
         return len(self.token_ids)
 
+    @property
+    def cached_tokens(self) -> int:
+        """Prompt tokens served from the prefix cache (RequestStats.cached_tokens)."""
+        return self.stats.cached_tokens
+
 
 # ---------------------------------------------------------------------------- stop strings
 class StopStringCutter:

@@ -69,8 +69,8 @@ class ParsedRequest:
 
     def sibling_params(self) -> list[SamplingParams]:
         """The SamplingParams of the n choices: choice i samples with seed + i (mod 2**32),
-        so choice 0 is the request alone and choice i the request with seed + i; they share
-        the prompt through the prefix cache."""
+        so choice 0 is the request alone and choice i the request with seed + i; submitted
+        together, they prefill the prompt once (the scheduler's `_awaits_prefix`)."""
         p = self.params
         return [dataclasses.replace(p, seed=(p.seed + i) % 2 ** 32) for i in range(self.n)]
 
