@@ -766,8 +766,8 @@ class _SplitClock:
     def __getattr__(self, name):          # model, now, host_s, add_host, report, ...
         return getattr(self.clock, name)
 
-    def launch(self, key, contexts=(), start=0, is_last=True) -> float:
-        s = self.clock.launch(key, contexts, start, is_last)
+    def launch(self, key, contexts=(), start=0, is_last=True, wait=True) -> float:
+        s = self.clock.launch(key, contexts, start, is_last, wait)
         cost = self.clock.model.program(key, contexts, start, is_last)
         hw = self.clock.model.hw
         self.by_kind[key[0]] = self.by_kind.get(key[0], 0.0) + s

@@ -34,8 +34,8 @@ class RecordingClock(VirtualClock):
         super().__init__(model)
         self.calls = []
 
-    def launch(self, key, contexts=(), start=0, is_last=True):
-        s = super().launch(key, contexts, start, is_last)
+    def launch(self, key, contexts=(), start=0, is_last=True, wait=True):
+        s = super().launch(key, contexts, start, is_last, wait)
         self.calls.append((tuple(key), tuple(contexts), int(start), bool(is_last), s))
         return s
 
@@ -174,9 +174,13 @@ def test_long_context_workloads_need_the_clock():
 
 def test_host_time_is_measured_reported_and_leaves_callbacks_out(runs):
     _, outs, e, clock, timing, stats = runs
-    assert clock.host_s > 0 and timing["host_s"] == pytest.approx(clock.host_s)
+    # host_work_s: the host's own time; host_s: what the modelled device waited for it
+    # (the overlapped loop hides host work behind a launched step, never more than it)
+    assert clock.host_s > 0 and timing["host_work_s"] == pytest.approx(clock.host_s)
+    assert timing["host_s"] == pytest.approx(clock.idle_s)
+    assert 0 <= clock.idle_s <= clock.host_s + 1e-12
     assert stats["clock"]["host_s"] == clock.host_s and stats["clock"]["device_s"] == clock.device_s
-    assert stats["clock"]["now"] == pytest.approx(clock.device_s + clock.host_s)
+    assert stats["clock"]["now"] == pytest.approx(clock.device_s + clock.idle_s)
     # TTFT on the clock: one first token per request, each after at least its own prefill
     assert timing["first_tokens"] == len(PROMPTS)
     least = min(c[-1] for c in clock.calls if c[0][0] in ("prefill", "mixed"))
@@ -374,3 +378,35 @@ def test_judge_with_simulated_acceptance(judge_ckpt, tmp_path):
     assert "Lossless gate: **not applicable**" in md and "| fidelity |" not in md
     with pytest.raises(ValueError, match="unknown acceptance profile"):
         judge.check_config(judge.JudgeConfig(simulate_acceptance="no-such-profile"))
+
+
+class _FlatModel:
+    """Every program costs 10 ms on the modelled device."""
+    K, page_size = 0, 16
+
+    def program(self, key, contexts=(), start=0, is_last=True):
+        import types
+        return types.SimpleNamespace(seconds=0.010)
+
+
+def test_the_clock_hides_host_time_only_behind_a_running_launch():
+    """The overlapped loop on the clock: host work done while a launched program runs is
+    hidden up to that program's price, never more; the serial loop (wait=True) hides none."""
+    c = VirtualClock(_FlatModel())
+    c.add_host(0.002)                      # planning the first step: the device is idle
+    c.launch(("decode", 0, 1), wait=False)
+    end = c.device_free
+    c.add_host(0.004)                      # planning the next step while it runs: hidden
+    c.launch(("decode", 0, 1), wait=False)
+    c.wait(end)                            # reading the first step's tokens
+    assert c.now == pytest.approx(0.012) and c.idle_s == pytest.approx(0.002)
+    assert c.hidden_s == pytest.approx(0.004)
+    c.add_host(0.015)                      # longer than the 10 ms step behind it: 5 ms show
+    c.wait()
+    assert c.now == pytest.approx(0.027) and c.idle_s == pytest.approx(0.007)
+    assert c.hidden_s == pytest.approx(0.014)
+    s = VirtualClock(_FlatModel())         # serial: every launch waited for
+    for _ in range(2):
+        s.add_host(0.004)
+        s.launch(("decode", 0, 1))
+    assert s.now == pytest.approx(0.028) and s.idle_s == pytest.approx(0.008) and not s.hidden_s
