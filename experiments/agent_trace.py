@@ -571,9 +571,12 @@ def render_md(card: dict) -> str:
             lines.append(head + f"| {name} | {st['requests']} | {_ms(st['ttft_mean_s'])} | "
                          f"{_ms(st['ttft_p90_s'])} | {_num(st['prompt_tokens_mean'])} | "
                          f"{_num(st['cached_tokens_mean'])} | | {st['failures']} |")
-    lines += ["", "| path | clock | engine | wall s | completion tokens | tokens/s | failures | "
-              "prefix cache: tokens reused / prompt tokens | hits / lookups | evicted |",
-              "|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["", "Over each run (wall s: the run's time on its clock; host s: the part of it "
+              "measured on this machine's host, h200 only; prefix cache: its counters over the "
+              "run):", "",
+              "| path | clock | engine | wall s | host s | completion tokens | tokens/s | "
+              "failures | prefix cache: tokens reused / prompt tokens | hits / lookups | "
+              "evicted |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for run in card["runs"]:
         s, pc = run["summary"], run["summary"]["prefix_cache"]
         cache = ("n/a", "n/a", "n/a") if pc is None else (
@@ -581,7 +584,8 @@ def render_md(card: dict) -> str:
             f"({pc['tokens_reused'] / max(1, s['prompt_tokens']):.0%})",
             f"{pc['hits']:.0f} / {pc['lookups']:.0f}", f"{pc['evicted']:.0f}")
         lines.append(f"| {run['path']} | {run['clock']} | {run['engine']} (K={run['k']}) | "
-                     f"{s['wall_s']:.1f} | {s['completion_tokens']} | "
+                     f"{s['wall_s']:.1f} | {_num(run.get('host_s'), 1)} | "
+                     f"{s['completion_tokens']} | "
                      f"{_num(s['tokens_per_s'], 1)} | {s['failures']} | {' | '.join(cache)} |")
     same = card.get("replies_identical")
     lines += ["", f"Replies identical across runs (same seeds): "
