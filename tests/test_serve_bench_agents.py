@@ -3,6 +3,8 @@ and respects its sizes; the spec refuses bad sizes by name; the in-process run o
 reports every key with sane values on the wall and the H200 clock, with the same replies on
 both; and the command end to end runs one small session beside a foreign prompt against a real
 server (`python -m experiments serve`) and in process, with the same replies on both paths.
+Cached tokens are read from usage.prompt_tokens_details (HTTP) or the engine output where
+reported, and are None (n/a) where not.
 """
 
 import json
@@ -228,3 +230,39 @@ def test_serve_bench_agents_end_to_end(tmp_path):
     assert "--max_seq_len=" in card["serve_flags"]
     md = (tmp_path / "card.md").read_text()
     assert "| http | wall | stock (K=0) | 2 |" in md and "| in-process | wall |" in md
+
+
+def test_cached_tokens_are_read_where_reported(tok):
+    """run_clients reads usage.prompt_tokens_details.cached_tokens (None where the server
+    leaves it out), a failed request ends its session, and cached_tokens_of reads an engine
+    output's own count or its stats' (None without either)."""
+    import types
+    tr = agent_trace.build(tok, AgentSpec(sessions=2, turns=2, foreign_clients=1,
+                                          foreign_requests=1, user_message_p=0.0, seed=5))
+    seen = []
+
+    def send(body):
+        seen.append(body)
+        if body["seed"] == tr.sessions[1].turns[0].seed:
+            raise RuntimeError("HTTP 503")
+        n = 100 * len(body["messages"])      # turn 1: 2 messages, turn 2: 4
+        usage = {"prompt_tokens": n, "completion_tokens": 3}
+        if "tools" in body:          # sessions report it, the foreign client does not
+            usage["prompt_tokens_details"] = {"cached_tokens": n // 2}
+        return {"ttft_s": 0.1, "latency_s": 0.2, "usage": usage, "finish_reason": "stop",
+                "message": {"role": "assistant", "content": "ok"}}
+
+    run = agent_trace.run_clients(tr, "tiny", send)
+    by = {(r["kind"], r["client"], r["turn"]): r for r in run["records"]}
+    assert set(by) == {("session", 0, 1), ("session", 0, 2), ("session", 1, 1),
+                       ("foreign", 0, 1)}
+    assert by["session", 0, 1]["cached_tokens"] == 100
+    assert by["session", 0, 2]["cached_tokens"] == 200
+    assert by["foreign", 0, 1]["cached_tokens"] is None
+    assert by["session", 1, 1]["error"] == "RuntimeError: HTTP 503"
+    s = agent_trace.summarize(run)
+    assert s["failures"] == 1 and s["turns"][1]["reuse_of_previous_prompt"] == 200 / 200
+    out = types.SimpleNamespace(stats=types.SimpleNamespace(cached_tokens=64))
+    assert agent_trace.cached_tokens_of(out) == 64
+    assert agent_trace.cached_tokens_of(types.SimpleNamespace(cached_tokens=32, stats=None)) == 32
+    assert agent_trace.cached_tokens_of(types.SimpleNamespace(stats=object())) is None
