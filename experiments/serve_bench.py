@@ -24,10 +24,23 @@ clock: a request's TTFT and latency run from its submit to its first token / its
 on the clock, and a level's wall time is the clock's. HTTP, JSON, tokenization and SSE are
 not modelled (the wall run has them); the host time measured inside the engine is on the
 clock and reported per level on its own line.
+
+`--trace=agents`: multi-turn coding-agent sessions with tool calls and long tool results, and
+other clients' one-shot long prompts interleaved (experiments/agent_trace.py; sizes from the
+`--agent_*` flags). One command runs the same trace for the default candidate (the serve
+flags as given: `--num_speculative_tokens`, default 4, adaptive depth) and stock (the same
+flags with `--num_speculative_tokens=0`), each over `--agent_paths`: `http` (a real server,
+wall clock), `wall` and `h200` (in this process on the engine `serve` would build, timed on
+this machine's clock or on the cost model's H200 clock, as `--clock=h200` above). `--clock` and
+`--concurrency` do not apply (every client of the trace runs at once); `--max_tokens` is
+every reply's. The serve flags' `--max_seq_len` is raised to what the trace needs unless they
+set it. Writes card.json and card.md (default runs/serve_bench_agents/).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import http.client
 import json
 import os
@@ -53,6 +66,25 @@ card_lib.define_clock_flag()
 card_lib.define_simulate_flag()
 flags.DEFINE_float("startup_timeout_s", 1800.0, "how long the server may take to come up "
                    "(warmup compiles every decode program)")
+flags.DEFINE_enum("trace", "stories", ["stories", "agents"], "stories: one-shot chats at each "
+                  "--concurrency; agents: agent sessions with tool calls and long tool results "
+                  "beside other clients' long prompts (experiments/agent_trace.py)")
+flags.DEFINE_integer("agent_sessions", 4, "agents: concurrent agent sessions")
+flags.DEFINE_integer("agent_turns", 3, "agents: turns per session (all but the last call a tool)")
+flags.DEFINE_list("agent_tool_tokens", ["300", "3000"], "agents: a tool result's size in "
+                  "tokens, low,high (drawn uniformly)")
+flags.DEFINE_float("agent_user_message_p", 0.25, "agents: probability of a user message "
+                   "after a tool result")
+flags.DEFINE_integer("agent_foreign_clients", 2, "agents: other clients sending one-shot "
+                     "long prompts")
+flags.DEFINE_integer("agent_foreign_requests", 2, "agents: one-shot prompts per foreign client")
+flags.DEFINE_list("agent_foreign_tokens", ["1000", "3000"], "agents: a one-shot prompt's size "
+                  "in tokens, low,high")
+flags.DEFINE_integer("agent_seed", 0, "agents: the trace's seed")
+flags.DEFINE_list("agent_paths", ["http", "wall", "h200"], "agents: http (real server, wall "
+                  "clock), wall / h200 (in-process engine on that clock)")
+flags.DEFINE_list("agent_engines", ["candidate", "stock"], "agents: candidate (the serve "
+                  "flags' K) and / or stock (K = 0)")
 
 
 def _free_port() -> int:
@@ -62,7 +94,10 @@ def _free_port() -> int:
 
 
 def stream_chat(port: int, body: dict) -> dict:
-    """One streaming chat request; returns ttft_s, latency_s, completion_tokens."""
+    """One streaming chat request; returns ttft_s (the first chunk after the role chunk with
+    text, a tool call or a token's log probability), latency_s, completion_tokens, usage,
+    finish_reason and the assistant message (content, tool_calls put together from the
+    deltas)."""
     t0 = time.perf_counter()
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
     conn.request("POST", "/v1/chat/completions", json.dumps(body),
@@ -70,23 +105,40 @@ def stream_chat(port: int, body: dict) -> dict:
     r = conn.getresponse()
     if r.status != 200:
         raise RuntimeError(f"HTTP {r.status}: {r.read()[:300]!r}")
-    ttft, usage = None, None
+    ttft, usage, finish, content, calls = None, None, None, [], {}
     for raw in r:
         line = raw.decode().strip()
         if not line.startswith("data: ") or line == "data: [DONE]":
             continue
         chunk = json.loads(line[6:])
+        if "error" in chunk:
+            raise RuntimeError(f"error in the stream: {chunk['error']}")
         if chunk.get("usage"):
             usage = chunk["usage"]
         for ch in chunk.get("choices", []):
             d = ch.get("delta", {})
-            if ttft is None and (d.get("content") or d.get("reasoning_content")):
+            if ttft is None and (d.get("content") or d.get("reasoning_content")
+                                 or d.get("tool_calls") or (ch.get("logprobs") or {}).get(
+                                     "content")):
                 ttft = time.perf_counter() - t0
+            content.append(d.get("content") or "")
+            for c in d.get("tool_calls") or []:
+                call = calls.setdefault(c["index"], {"id": None, "type": "function",
+                                                     "function": {"name": "", "arguments": ""}})
+                call["id"] = c.get("id") or call["id"]
+                f = c.get("function") or {}
+                call["function"]["name"] += f.get("name") or ""
+                call["function"]["arguments"] += f.get("arguments") or ""
+            finish = ch.get("finish_reason") or finish
     conn.close()
     if usage is None:
         raise RuntimeError("the stream ended without a usage chunk")
+    message = {"role": "assistant", "content": "".join(content)}
+    if calls:
+        message["tool_calls"] = [calls[i] for i in sorted(calls)]
     return {"ttft_s": ttft, "latency_s": time.perf_counter() - t0,
-            "completion_tokens": usage["completion_tokens"]}
+            "completion_tokens": usage["completion_tokens"], "usage": usage,
+            "finish_reason": finish, "message": message}
 
 
 def request_body(model: str, i: int, max_tokens: int) -> dict:
@@ -254,22 +306,13 @@ def _metrics(port: int) -> dict:
     return out
 
 
-def main(argv):
-    if len(argv) > 1:
-        raise SystemExit(f"unexpected arguments: {' '.join(argv[1:])}")
-    levels = [int(c) for c in FLAGS.concurrency]
-    if not levels or min(levels) < 1:
-        raise SystemExit(f"--concurrency needs positive integers, got {FLAGS.concurrency}")
-    card_lib.check_clock_flags(FLAGS.clock, FLAGS.clock_calibration)   # before any work
-    if FLAGS.simulate_acceptance and FLAGS.clock == "wall":
-        raise SystemExit("--simulate_acceptance needs --clock=h200 here (the in-process engine "
-                         "session; the HTTP server runs the model's own acceptance)")
-    if FLAGS.clock != "wall":
-        _write(clock_main(levels))
-        return
+@contextlib.contextmanager
+def served(serve_args: list[str]):
+    """`python -m experiments serve` with serve_args on a free port, up and answering
+    /v1/models; yields {port, model, cmd, log (stderr lines so far), startup_s}; terminates it
+    on exit."""
     port = _free_port()
-    cmd = [sys.executable, "-m", "experiments", "serve", f"--port={port}",
-           *shlex.split(FLAGS.serve_flags)]
+    cmd = [sys.executable, "-m", "experiments", "serve", f"--port={port}", *serve_args]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True)
     log: list[str] = []
     threading.Thread(target=lambda: [log.append(l) for l in proc.stderr], daemon=True).start()
@@ -290,7 +333,35 @@ def main(argv):
             if time.perf_counter() - t0 > FLAGS.startup_timeout_s:
                 raise SystemExit("the server did not come up in time")
             time.sleep(0.5)
-        startup = time.perf_counter() - t0
+        yield {"port": port, "model": model, "cmd": cmd, "log": log,
+               "startup_s": time.perf_counter() - t0}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise SystemExit(f"unexpected arguments: {' '.join(argv[1:])}")
+    card_lib.check_clock_flags(FLAGS.clock, FLAGS.clock_calibration)   # before any work
+    if FLAGS.trace == "agents":
+        _write(agents_main(), md=True)
+        return
+    levels = [int(c) for c in FLAGS.concurrency]
+    if not levels or min(levels) < 1:
+        raise SystemExit(f"--concurrency needs positive integers, got {FLAGS.concurrency}")
+    if FLAGS.simulate_acceptance and FLAGS.clock == "wall":
+        raise SystemExit("--simulate_acceptance needs --clock=h200 here (the in-process engine "
+                         "session; the HTTP server runs the model's own acceptance)")
+    if FLAGS.clock != "wall":
+        _write(clock_main(levels))
+        return
+    with served(shlex.split(FLAGS.serve_flags)) as srv:
+        port, model, cmd, log = srv["port"], srv["model"], srv["cmd"], srv["log"]
+        startup = srv["startup_s"]
         print(f"[serve_bench] server up in {startup:.1f}s: {''.join(log).strip()}",
               file=sys.stderr, flush=True)
         top = max(levels)
@@ -316,17 +387,190 @@ def main(argv):
                 "max_tokens": FLAGS.max_tokens, "rounds": FLAGS.rounds,
                 "startup_s": startup, "cpu_count": os.cpu_count(), "levels": rows,
                 "server_log": "".join(log).strip().splitlines()[-3:]}
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
     _write(card)
 
 
-def _write(card: dict) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    with open(FLAGS.out, "w") as f:
+# ------------------------------------------------------------------------ --trace=agents
+AGENT_PATHS = ("http", "wall", "h200")
+AGENT_ENGINES = ("candidate", "stock")
+
+
+def _range(name: str) -> tuple[int, int]:
+    v = FLAGS[name].value
+    if len(v) != 2:
+        raise SystemExit(f"--{name} takes low,high, got {','.join(v)}")
+    try:
+        return int(v[0]), int(v[1])
+    except ValueError:
+        raise SystemExit(f"--{name} takes two integers, got {','.join(v)}")
+
+
+def agent_spec():
+    """The AgentSpec of the --agent_* flags (and --max_tokens)."""
+    from experiments.agent_trace import AgentSpec
+    try:
+        return AgentSpec(
+            sessions=FLAGS.agent_sessions, turns=FLAGS.agent_turns,
+            tool_tokens=_range("agent_tool_tokens"),
+            user_message_p=FLAGS.agent_user_message_p,
+            foreign_clients=FLAGS.agent_foreign_clients,
+            foreign_requests=FLAGS.agent_foreign_requests,
+            foreign_tokens=_range("agent_foreign_tokens"), max_tokens=FLAGS.max_tokens,
+            seed=FLAGS.agent_seed)
+    except ValueError as e:
+        raise SystemExit(f"--agent_* flags: {e}")
+
+
+def _choices(name: str, allowed: tuple[str, ...]) -> list[str]:
+    got = [x.strip() for x in FLAGS[name].value if x.strip()]
+    bad = [x for x in got if x not in allowed]
+    if bad or not got:
+        raise SystemExit(f"--{name} takes some of {','.join(allowed)}, got {','.join(got)}")
+    return got
+
+
+def agent_serve_config(trace, tokenizer, template, serve_args: list[str]):
+    """(ServerConfig of the serve flags, the serve args to run): --max_seq_len raised to what
+    the trace needs (agent_trace.context_needed, a multiple of 256), unless the serve flags
+    set it, which must then suffice."""
+    from experiments import agent_trace, serve
+    FLAGS(["serve", *serve_args])      # serve's flags, defined in this process by the import
+    cfg = serve.config_of(FLAGS)
+    need = agent_trace.context_needed(trace, tokenizer, template)
+    if FLAGS["max_seq_len"].present:
+        if cfg.max_seq_len < need:
+            raise SystemExit(f"the trace needs a context of {need} tokens; --serve_flags sets "
+                             f"--max_seq_len={cfg.max_seq_len}")
+        return cfg, serve_args
+    need = -(-need // 256) * 256
+    return dataclasses.replace(cfg, max_seq_len=need), [*serve_args, f"--max_seq_len={need}"]
+
+
+def _prefix_metrics(port: int) -> dict:
+    """The prefix cache's counters on /metrics, by PrefixCache.report's names."""
+    from experiments.agent_trace import PREFIX_COUNTERS
+    m = _metrics(port)
+    out = {}
+    for key in PREFIX_COUNTERS:
+        name = f"mtpjax_prefix_cache_{key}"
+        out[key] = sum(v for k, v in m.items()
+                       if k.split("{")[0] in (name, name + "_total"))
+    return out
+
+
+def run_agents_http(trace, serve_args: list[str]) -> dict:
+    """The trace against a real server (wall clock): a warm-up request first (unmeasured),
+    the prefix cache's counters from /metrics around the run."""
+    from experiments import agent_trace
+    with served(serve_args) as srv:
+        port, model = srv["port"], srv["model"]
+        say = lambda m: print(f"[serve_bench agents] {m}", file=sys.stderr, flush=True)
+        say(f"server up in {srv['startup_s']:.1f}s: {' '.join(srv['cmd'][3:])}")
+        stream_chat(port, {"model": model, "max_tokens": 2, "stream": True,
+                           "stream_options": {"include_usage": True},
+                           "messages": [{"role": "user", "content": "warm up"}]})
+        before = _prefix_metrics(port)
+        run = agent_trace.run_clients(trace, model, lambda body: stream_chat(port, body))
+        run["prefix_cache"] = agent_trace.prefix_delta(before, _prefix_metrics(port))
+        run["startup_s"] = srv["startup_s"]
+    return run
+
+
+def run_agents_engine(trace, cfg, clock: str) -> dict:
+    """The trace in this process on a fresh engine of cfg (serve's load_server: same warm-up;
+    fresh, so no cache or learned step cost carries over from another run), on the wall
+    clock or the H200 clock (with --simulate_acceptance for a candidate, as clock_main)."""
+    from experiments import agent_trace, serve
+    from mtpjax.serving.app import load_server
+    t0 = time.perf_counter()
+    server = load_server(cfg, serve.warmup_with_progress)
+    server.online.shutdown()                # its engine only: no HTTP, no online loop
+    engine = server.online.engine
+    if clock == "h200":
+        engine.clock = card_lib.make_clock("h200", engine.k,
+                                           weights=card_lib.clock_weights(engine.params),
+                                           tp=engine.tp, page_size=engine.page_size)
+        if engine.k:
+            engine.simulated = card_lib.simulator(FLAGS.simulate_acceptance)
+    startup = time.perf_counter() - t0
+    run = agent_trace.run_engine(server, engine, trace)
+    run["startup_s"] = startup
+    if clock == "h200":
+        run["host_s"] = engine.clock.host_s
+    return run
+
+
+def agents_main() -> dict:
+    """--trace=agents (module docstring): every (path, engine) run of the trace; the card."""
+    from experiments import agent_trace
+    from mtpjax.serving.chat_template import load_chat_template
+    from mtpjax.text import Tokenizer
+    if FLAGS["clock"].present or FLAGS["concurrency"].present:
+        raise SystemExit("--trace=agents runs its own paths (--agent_paths) with every client "
+                         "at once: drop --clock / --concurrency")
+    paths = _choices("agent_paths", AGENT_PATHS)
+    engines = _choices("agent_engines", AGENT_ENGINES)
+    if FLAGS.simulate_acceptance and "h200" not in paths:
+        raise SystemExit("--simulate_acceptance applies to the h200 path only")
+    serve_args = shlex.split(FLAGS.serve_flags)
+    from experiments import serve                         # noqa: F401 - defines serve's flags
+    FLAGS(["serve", *serve_args])
+    ckpt = FLAGS.checkpoint
+    tokenizer = Tokenizer.from_checkpoint(ckpt)
+    spec = agent_spec()
+    trace = agent_trace.build(tokenizer, spec)
+    cfg, serve_args = agent_serve_config(trace, tokenizer, load_chat_template(ckpt), serve_args)
+    if cfg.num_speculative_tokens < 1 and "candidate" in engines:
+        raise SystemExit("the candidate needs --num_speculative_tokens >= 1 in --serve_flags")
+    configs = {"candidate": (cfg, serve_args),
+               "stock": (dataclasses.replace(cfg, num_speculative_tokens=0),
+                         [*serve_args, "--num_speculative_tokens=0"])}
+    say = lambda m: print(f"[serve_bench agents] {m}", file=sys.stderr, flush=True)
+    say(f"trace {trace.digest()[:12]}: {spec}; context {cfg.max_seq_len}")
+    runs = []
+    for path in paths:
+        for name in engines:
+            c, args = configs[name]
+            t0 = time.perf_counter()
+            run = (run_agents_http(trace, args) if path == "http"
+                   else run_agents_engine(trace, c, path))
+            summary = agent_trace.summarize(run)
+            runs.append({"path": "http" if path == "http" else "in-process",
+                         "clock": "h200" if path == "h200" else "wall", "engine": name,
+                         "k": c.num_speculative_tokens, "adaptive": c.adaptive,
+                         "startup_s": run["startup_s"], "host_s": run.get("host_s"),
+                         "ran_s": time.perf_counter() - t0, "summary": summary,
+                         "records": run["records"]})
+            later = summary["later_turns"]
+            say(f"{path} {name}: {summary['requests']} requests, {summary['failures']} "
+                f"failed, {summary['tokens_per_s']:.1f} tok/s, TTFT turns >= 2 mean "
+                f"{later['ttft_mean_s']}, foreign {summary['foreign']['ttft_mean_s']}")
+    replies = [r["summary"]["replies"] for r in runs]
+    simulated = bool(FLAGS.simulate_acceptance)
+    return {"command": "python -m experiments serve_bench " + " ".join(sys.argv[2:]),
+            "trace": "agents", "spec": dataclasses.asdict(spec),
+            "trace_digest": trace.digest(), "serve_flags": " ".join(serve_args),
+            "h200_words": card_lib.predicted_words(cfg.tp),
+            "cached_tokens_source": "usage.prompt_tokens_details.cached_tokens (HTTP); "
+                                    "RequestOutput(.stats).cached_tokens (in-process); "
+                                    "null where absent",
+            "cpu_count": os.cpu_count(), "python": sys.version.split()[0],
+            "replies_identical": (None if simulated or len(replies) < 2 else
+                                  all(r == replies[0] for r in replies[1:])),
+            "runs": runs}
+
+
+def _write(card: dict, md: bool = False) -> None:
+    """card.json at --out (--trace=agents: default runs/serve_bench_agents/card.json, and
+    card.md beside it); the card is the last stdout line."""
+    out = FLAGS.out
+    if FLAGS.trace == "agents" and not FLAGS["out"].present:
+        out = "runs/serve_bench_agents/card.json"
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
         json.dump(card, f, indent=1)
+    if md:
+        from experiments.agent_trace import render_md
+        with open(os.path.join(os.path.dirname(out), "card.md"), "w") as f:
+            f.write(render_md(card))
     print(json.dumps(card))
