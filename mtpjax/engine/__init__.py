@@ -187,8 +187,16 @@ mask_drafts: correct a constrained lane's drafts by its grammar before each step
 
 clock: None (default: wall time, as measured) or a cost_model.VirtualClock whose model has
   this engine's K and page size: time is then the modelled H200's (module docstring).
-  timing["step_s"] and timing["prefill_s"] then hold modelled seconds, timing["host_s"]
-  the measured host seconds added to the clock.
+  timing["step_s"] and timing["prefill_s"] then hold modelled seconds, timing["host_work_s"]
+  the measured host seconds added to the clock, timing["host_s"] the part of them the
+  modelled device waited for (the clock keeps the host's and the device's timelines).
+
+overlap: True (default): plan and launch step N+1 while the device runs step N, then read
+  step N's tokens (a lane whose next step needs its tokens on the host, for a grammar, the
+  penalties' history or a token limit within reach, waits a step); False: the serial loop
+  (plan, launch, wait, commit). The outputs are the same (tests/test_overlap.py). Without a
+  clock, timing["host_s"] is the device's idle time between launches (at most), and
+  timing["host_work_s"] the host's own time.
 
 simulate_acceptance: None, or a profile name / path / simulated_acceptance.Profile or
   Simulator: each verify step accepts as many drafts as a seeded draw from the profile (the
