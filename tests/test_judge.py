@@ -514,7 +514,7 @@ def test_busy_page_use_is_time_weighted_per_step():
     from types import SimpleNamespace as NS
 
     class Clock:                # a cost_model.VirtualClock's interface, nothing priced
-        now, device_s, host_s, launches = 0.0, 0.0, 0.0, {}
+        now, device_s, host_s, idle_s, launches = 0.0, 0.0, 0.0, 0.0, {}
         device_range, offset_prefill_s = {"fast": 0.0, "mid": 0.0, "slow": 0.0}, 0.0
 
     class Fake:
