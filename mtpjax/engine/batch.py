@@ -225,7 +225,9 @@ class StepResult:
 
     tokens[b, :accepted[b] + 1] are lane b's emitted tokens; logprobs (only when a lane
     asked): (chosen token's [lanes, depth+1], top ids [lanes, depth+1, TOP], top values).
-    seconds: the step program's time (modelled with a clock); compiled: its first run."""
+    seconds: the step program's time (modelled with a clock); compiled: those seconds are
+    no step cost (its first run compiled, or, in the overlapped loop, other programs of its
+    launch ran before it without being waited for)."""
     tokens: np.ndarray | None = None      # i32[lanes, depth + 1]
     accepted: np.ndarray | None = None    # i32[lanes]
     logprobs: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None

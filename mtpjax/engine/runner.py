@@ -5,16 +5,18 @@ device state (`model.Cache`: a `PagedKV` pool per full-attention layer and for t
 layer plus per-lane GDN slots; `steps.LaneState`; the prefix cache's snapshot slots), the
 set of programs run so far, and the timing of every program it launches.
 
-`run(batch)` takes one `batch.Batch` (host arrays, in lane order) and runs, in order:
+`launch(batch)` takes one `batch.Batch` (host arrays, in lane order) and runs, in order:
   1. its lane moves (compaction) and snapshot restores (prefix hits);
   2. the corrected drafts, when the record carries them (masked drafts);
   3. ONE program: the decode step at the record's depth over its lane bucket, with the
      prefill chunk riding in it when there is one (key ("mixed", depth, lane_slots, T)),
      or the chunk alone (("prefill", T));
   4. the snapshot save of the chunk's lane when the record names a slot;
-each timed to completion (a step's seconds, which the depth policy learns from, are its own
-program's, not the moves' before it or the previous prefill's still running), and returns a `batch.StepResult` of host arrays (tokens, accepted counts, log probabilities
-when a lane asked). It reads nothing else: no scheduler, no request, no engine core.
+without waiting for them (an `InFlight`); `collect(flight)` waits and returns a
+`batch.StepResult` of host arrays (tokens, accepted counts, log probabilities when a lane
+asked). A step's seconds, which the depth policy learns from, are its own program's, not the
+moves' before it or the previous launch's still running. It reads nothing else: no
+scheduler, no request, no engine core.
 
 Warm-up (`warmup_plan`, `warmup`) compiles every program a run can reach; `shape_key` says
 which engines share them. Timing: without a clock, `timing` holds wall seconds; with one
@@ -104,7 +106,6 @@ class InFlight:
     outputs were seen ready (probe) or the moment a blocking read returned: an upper bound
     when the host looked late, exact when the host was waiting for it."""
     batch: Batch
-    key: tuple
     outputs: tuple | None        # device (tokens, accepted, logprobs) of a decode step
     want: bool                   # a lane asked for log probabilities
     tail: object                 # the launch's last device output (its snapshot save, ...)
@@ -320,11 +321,6 @@ class ModelRunner:
         return out, self.clock.launch(key, contexts, start, is_last, wait=False)
 
     # ---------------------------------------------------------------- one step
-    def run(self, batch: Batch) -> StepResult:
-        """Run one record and read its outputs (launch, then collect: the serial loop)."""
-        flight = self.launch(batch)
-        return StepResult() if flight is None else self.collect(flight)
-
     def launch(self, batch: Batch, serial: bool = True) -> InFlight | None:
         """Launch one record (module docstring) without reading its outputs: moves,
         restores, drafts, ONE program, the snapshot save. None when it runs no program.
@@ -353,7 +349,7 @@ class ModelRunner:
         key = batch.key
         if key is None:                       # nothing to run (e.g. every request cancelled)
             if others:
-                self._last = InFlight(batch, ("moves",), None, False, (self.cache, self.state),
+                self._last = InFlight(batch, None, False, (self.cache, self.state),
                                       time.perf_counter(), 0.0, False, False,
                                       clock_end=self._clock_end())
             return None
@@ -385,7 +381,7 @@ class ModelRunner:
         self.timing["launches"] += 1
         self.timing["overlapped"] += self._uncollected > 0   # launched behind a running step
         self._uncollected += 1
-        flight = InFlight(batch, key, outputs, want, tail, t0, modelled,
+        flight = InFlight(batch, outputs, want, tail, t0, modelled,
                           not others or (serial and not clocked), compiled and not clocked,
                           clock_end=self._clock_end())
         self._last = flight
