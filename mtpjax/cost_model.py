@@ -373,6 +373,11 @@ MIXED_FILL_KERNELS = 12
 # not order the chunk's attention before the step's KV write; tests/test_aot.py), which
 # follow the pool's size, unknown here.
 MIXED_GDN_SLOT_PASSES = 13.5
+# Packed prefill ("mixed", d, B, T, rows), ("prefill", T, rows): the one-chunk program's kernels
+# plus, per GDN layer, the gather of the chunks' conv and state slots and their scatter back
+# (model.take_slots / put_slots with a vector of lanes). An ESTIMATE from the program's
+# structure, not a compiled count: no deviceless 27B compile of a packed program yet.
+PACKED_GDN_KERNELS = 4
 
 def split_k(rows: int) -> dict[str, tuple[int, int]]:
     """XLA's (splits, readers) per split projection at `rows` rows (SPLIT_K_BY_ROWS)."""
@@ -597,33 +602,36 @@ class CostModel:
         moved["split_k"] = self._step_split_k(d, B, B * (d + 1))
         return self._finish(moved, must, flops, self._kernels(("decode", d, B)))
 
-    def prefill(self, T: int, start: int = 0, is_last: bool = True) -> Cost:
+    def prefill(self, T: int, start: int | Sequence[int] = 0, is_last: bool = True,
+                rows: int = 1) -> Cost:
         """steps.prefill_chunk of a chunk bucket of T tokens at position `start` of its lane:
         the target forward over the chunk (no lm_head: it samples nothing) and, K > 0, the
         chunk's MTP KV fill (MTP fc + the MTP layer's projection). The program never samples
         or drafts, last chunk or not: the prompt's last token joins a decode step, which does
         both. With K = 0 nothing reads the chunk's final hidden state, so XLA drops the last
         layer's output projection and MLP (the audit reads 0.6 GB less). is_last: accepted
-        for callers of the old program, no effect."""
+        for callers of the old program, no effect. rows > 1: packed prefill, `rows` chunks of
+        T tokens (start: each real chunk's; the rest are padding rows at 0) under one read
+        of the weights."""
         del is_last
-        T, start = int(T), int(start)
-        if T < 1 or start < 0:
-            raise ValueError(f"prefill needs T >= 1 and start >= 0, got T={T}, start={start}")
-        moved, must, flops = self._chunk_terms(T, start)
+        T = int(T)
+        moved, must, flops = self._rows_terms(T, start, rows)
         dead = 0 if self.K > 0 else self._tail_params()
         per_param = 2.0 if self.weights == "bf16" else 1.0 + 4 / (128 * 128)
         moved["weights"] += self.w["target"] - self.w["lm_head"] - per_param * dead
         must["weights"] += self.w["target"] - self.w["lm_head"] - per_param * dead
-        flops += 2 * T * (self._linear_params("target") - self._linear_params("lm_head") - dead)
+        N = T * rows
+        flops += 2 * N * (self._linear_params("target") - self._linear_params("lm_head") - dead)
         mtp = 1 if self.K > 0 else 0
-        if split_k(T):
-            readers = next((r for bound, r in PREFILL_IN_PROJ_READERS if T <= bound), None)
-            moved["split_k"] = self._split_k_bytes(T, in_proj_readers=readers,
-                                                   fill_rows=[T] * mtp)
-        return self._finish(moved, must, flops, self._kernels(("prefill", T)))
+        if split_k(N):
+            readers = next((r for bound, r in PREFILL_IN_PROJ_READERS if N <= bound), None)
+            moved["split_k"] = self._split_k_bytes(N, in_proj_readers=readers,
+                                                   fill_rows=[N] * mtp)
+        return self._finish(moved, must, flops,
+                            self._kernels(("prefill", T) + ((rows,) if rows > 1 else ())))
 
     def mixed(self, depth: int, lanes: int, T: int, contexts: Sequence[int],
-              start: int = 0) -> Cost:
+              start: int | Sequence[int] = 0, rows: int = 1) -> Cost:
         """steps.decode_step(chunk=...), key ("mixed", d, B, T): the depth-d step of `lanes`
         slots (contexts: tokens cached per busy lane) carrying one lane's prefill chunk of T
         tokens (the bucket) at position `start` of that lane. Both go through every target
@@ -632,21 +640,41 @@ class CostModel:
         the head as a decode step's do. Every other term is the two parts': the step's KV,
         GDN slots, samplers and MTP passes, the chunk's KV over its context, its lane's GDN
         slot and its activations; the decoder layers' split-K partials at the rows of both
-        (T + B (d + 1)); the two groups' handling (MIXED_GDN_SLOT_PASSES); FLOPs of both."""
+        (T + B (d + 1)); the two groups' handling (MIXED_GDN_SLOT_PASSES); FLOPs of both.
+        rows > 1: packed prefill, key ("mixed", d, B, T, rows): `rows` chunks of T tokens
+        (start: each real chunk's; the rest are padding rows at 0), each priced as a chunk."""
         d, B = self._check_step(depth, lanes, contexts)
-        T, start = int(T), int(start)
-        if T < 1 or start < 0:
-            raise ValueError(f"a chunk needs T >= 1 and start >= 0, got T={T}, start={start}")
+        T = int(T)
+        N = T * rows
         moved, must, flops = self._step_terms(d, B, contexts)
-        c_moved, c_must, c_flops = self._chunk_terms(T, start)
+        c_moved, c_must, c_flops = self._rows_terms(T, start, rows)
         moved = {k: moved.get(k, 0.0) + c_moved.get(k, 0.0) for k in moved | c_moved}
         must = {k: must.get(k, 0.0) + c_must.get(k, 0.0) for k in must | c_must}
-        moved["split_k"] = self._step_split_k(d, B, B * (d + 1) + T) \
-            + self._split_k_bytes(0, fill_rows=[T] * (self.K > 0))
-        moved["groups"] = MIXED_GDN_SLOT_PASSES * self._gdn_bytes(1) / 2
-        c_flops += 2 * T * (self._linear_params("target") - self._linear_params("lm_head"))
+        moved["split_k"] = self._step_split_k(d, B, B * (d + 1) + N) \
+            + self._split_k_bytes(0, fill_rows=[N] * (self.K > 0))
+        moved["groups"] = MIXED_GDN_SLOT_PASSES * self._gdn_bytes(rows) / 2
+        c_flops += 2 * N * (self._linear_params("target") - self._linear_params("lm_head"))
         return self._finish(moved, must, flops + c_flops,
-                            self._kernels(("mixed", d, B, T)))
+                            self._kernels(("mixed", d, B, T) + ((rows,) if rows > 1 else ())))
+
+    def _rows_terms(self, T: int, start: int | Sequence[int], rows: int
+                    ) -> tuple[dict, dict, float]:
+        """`_chunk_terms` of `rows` chunks of T tokens at these starts (padding rows at 0),
+        summed, with the MTP fill's weights read once."""
+        starts = [int(x) for x in (start if isinstance(start, (tuple, list)) else (start,))]
+        rows = int(rows)
+        if T < 1 or not 1 <= len(starts) <= rows or min(starts) < 0:
+            raise ValueError(f"chunks need T >= 1, 1..rows={rows} starts >= 0, got T={T}, "
+                             f"starts={starts}")
+        parts = [self._chunk_terms(T, x) for x in starts + [0] * (rows - len(starts))]
+        moved, must = {}, {}
+        for m, u, _ in parts:
+            for k, v in m.items():
+                moved[k] = moved.get(k, 0.0) + v
+            for k, v in u.items():
+                must[k] = must.get(k, 0.0) + v
+        moved["weights"], must["weights"] = parts[0][0]["weights"], parts[0][1]["weights"]
+        return moved, must, sum(f for _, _, f in parts)
 
     def _check_step(self, depth: int, lanes: int, contexts: Sequence[int]) -> tuple[int, int]:
         d, B = int(depth), int(lanes)
@@ -786,15 +814,16 @@ class CostModel:
                 is_last: bool = True) -> Cost:
         """Dispatch on the engine's program keys (Engine.warmup_plan): ("decode", d, B),
         ("mixed", d, B, T) (contexts: the decode lanes'; start: the riding chunk's),
-        ("prefill", T) (start: the chunk's; is_last: no effect, see `prefill`),
+        ("prefill", T) (start: the chunk's; is_last: no effect, see `prefill`), packed
+        prefill's ("mixed", d, B, T, rows) and ("prefill", T, rows) (start: each chunk's),
         ("move_lane",), ("snapshot",), ("snapshot_restore",), ("draft", B)."""
         kind = key[0] if key else None
         if kind == "decode":
             return self.decode(key[1], key[2], contexts)
         if kind == "mixed":
-            return self.mixed(key[1], key[2], key[3], contexts, start)
+            return self.mixed(key[1], key[2], key[3], contexts, start, *key[4:])
         if kind == "prefill":
-            return self.prefill(key[1], start, is_last)
+            return self.prefill(key[1], start, is_last, *key[2:])
         if kind == "draft":
             return self.draft(key[1], contexts)
         if key == ("move_lane",):
@@ -811,6 +840,9 @@ class CostModel:
         (mtpjax/h200_kernel_counts.py, the 27B at this weights / K / page size, tp = 1); a
         prefill chunk bucket or lane bucket missing there takes the nearest one compiled
         (the count does not follow T, and barely B); otherwise `_kernels_fallback`."""
+        packed = len(key) == (5 if key[0] == "mixed" else 3 if key[0] == "prefill" else 0)
+        if packed and key not in (self._table or {}):
+            return self._kernels(key[:-1]) + PACKED_GDN_KERNELS * self.n_gdn
         table = self._table
         if table is None:
             return self._kernels_fallback(key)
@@ -942,17 +974,18 @@ class VirtualClock:
         (device_free at that launch; None: everything queued)."""
         self._host_t = max(self._host_t, self.device_free if until is None else until)
 
-    def launch(self, key: tuple, contexts: Sequence[int] = (), start: int = 0,
+    def launch(self, key: tuple, contexts: Sequence[int] = (), start: int | Sequence[int] = 0,
                is_last: bool = True, wait: bool = True) -> float:
         """Price one program and queue it on the device; wait: the host waits for it (the
         serial loop). Returns its modelled seconds (mid constants)."""
         off, costs = self.context_offset, []
         if off and key[0] in ("decode", "mixed", "draft", "prefill"):
             contexts = [c + off for c in contexts]
-            if key[0] in ("prefill", "mixed"):
-                costs = self._offset_prefill * (start == 0)
+            if key[0] in ("prefill", "mixed"):     # each chunk that starts a sequence pays
+                starts = start if isinstance(start, (tuple, list)) else (start,)
+                costs = self._offset_prefill * sum(x == 0 for x in starts)
                 self.offset_prefill_s += sum(c.seconds for c in costs)
-                start += off
+                start = tuple(x + off for x in starts)
         costs.append(self.model.program(key, contexts, start, is_last))
         s = sum(c.seconds for c in costs)
         self.device_s += s

@@ -19,7 +19,8 @@ Every call describes its tokens with a `Segment`: lane b holds tokens[b, :n_vali
 absolute positions start[b] + t; the rest of the row is padding that touches no state. So one
 compiled program serves a batch of unequal prompts (right padding) and idle lanes (n_valid 0).
 A call's B lanes are the GDN cache slots [lane0, lane0 + B): an engine step runs only the
-first B slots of a larger cache (a lane bucket), a prefill chunk runs one slot.
+first B slots of a larger cache (a lane bucket), a prefill chunk runs one slot; packed prefill
+chunks (several lanes' chunks in one call) name their slots one by one (lane0 an i32[B] vector).
 
 The cache goes in and comes back out (donate it at the jit boundary). KV storage is swappable,
 chosen by the storage type in `kv_attend`:
@@ -192,7 +193,9 @@ class Segment:
     order. Every page that holds a position < start + n_valid must be allocated; unallocated
     entries should hold num_pages (out of range), which makes a stray write a no-op.
     lane0: the call's lanes are the cache's GDN slots [lane0, lane0 + B): 0 (a Python int: the
-    first B slots, e.g. a lane bucket) or an i32 scalar (one prefill lane).
+    first B slots, e.g. a lane bucket) or an i32 scalar (one prefill lane); or an i32[B] vector
+    naming each row's slot (packed prefill chunks): a slot out of range (>= the cache's slots)
+    marks a padding row, which reads zeros and writes nothing.
     """
     start: jax.Array    # i32[B]
     n_valid: jax.Array  # i32[B]
@@ -209,9 +212,17 @@ def _first_slots(lane0) -> bool:
     return isinstance(lane0, int) and lane0 == 0
 
 
+def _row_slots(lane0) -> bool:
+    """lane0 names each row's slot (an i32[B] vector: packed prefill chunks)."""
+    return getattr(lane0, "ndim", 0) == 1
+
+
 def take_slots(tree, lane0, n: int):
-    """Rows [lane0, lane0 + n) of every [B_cache, ...] leaf (a no-op for the whole cache)."""
+    """Rows [lane0, lane0 + n) of every [B_cache, ...] leaf (a no-op for the whole cache); with
+    a vector lane0, rows lane0[i] (zeros for a slot out of range: a padding row)."""
     def take(a):
+        if _row_slots(lane0):
+            return jnp.take(a, lane0, axis=0, mode="fill", fill_value=0)
         if _first_slots(lane0) and a.shape[0] == n:
             return a
         return lax.dynamic_slice_in_dim(a, lane0, n, axis=0)
@@ -219,8 +230,11 @@ def take_slots(tree, lane0, n: int):
 
 
 def put_slots(tree, lane0, sub):
-    """Write `sub`'s rows back at [lane0, lane0 + n): in place on a donated cache."""
+    """Write `sub`'s rows back at [lane0, lane0 + n): in place on a donated cache; with a
+    vector lane0, at rows lane0[i] (a slot out of range is dropped: a padding row)."""
     def put(a, s):
+        if _row_slots(lane0):
+            return a.at[lane0].set(s.astype(a.dtype), mode="drop")
         if s.shape == a.shape and _first_slots(lane0):
             return s
         return lax.dynamic_update_slice_in_dim(a, s.astype(a.dtype), lane0, axis=0)

@@ -372,14 +372,17 @@ def move_lane(cache: Cache, state: LaneState, src, dst, *, mesh=None):
          meta_fields=[])
 @dataclasses.dataclass(frozen=True)
 class Chunk:
-    """One lane's prefill chunk: positions [start, start + n_valid) of its sequence.
+    """One lane's prefill chunk: positions [start, start + n_valid) of its sequence; or R
+    lanes' chunks packed in one call (packed prefill: row r is lane[r]'s chunk).
 
-    tokens, next_tokens: i32[1, T] (T: the chunk bucket; next_tokens[t] = seq[start + t + 1],
+    tokens, next_tokens: i32[R, T] (T: the chunk bucket; next_tokens[t] = seq[start + t + 1],
     always a known token: a prefill never reaches the sequence's last token, which joins the
-    decode batch instead, see `Join`). lane, start, n_valid: i32 scalars; page_table:
-    i32[1, pages_per_lane], the lane's. A chunk at start 0 begins a new sequence: the lane's
-    GDN state and conv history are read as zeros (model.gdn_block); n_valid may be 0 there
-    (a one-token sequence: the chunk only resets the lane)."""
+    decode batch instead, see `Join`); page_table: i32[R, pages_per_lane], the lanes' rows.
+    One chunk (R = 1): lane, start, n_valid are i32 scalars. Packed: each is i32[R], and a
+    padding row names a lane out of range (>= the lane slots; it reads zeros and writes
+    nothing, model.take_slots) with n_valid 0. A chunk at start 0 begins a new sequence: the
+    lane's GDN state and conv history are read as zeros (model.gdn_block); n_valid may be 0
+    there (a one-token sequence: the chunk only resets the lane)."""
     lane: jax.Array
     tokens: jax.Array
     next_tokens: jax.Array
@@ -387,7 +390,13 @@ class Chunk:
     n_valid: jax.Array
     page_table: jax.Array
 
+    @property
+    def packed(self) -> bool:
+        return self.lane.ndim == 1
+
     def segment(self) -> Segment:
+        if self.packed:
+            return Segment(self.start, self.n_valid, self.page_table, self.lane)
         return Segment(self.start[None], self.n_valid[None], self.page_table, self.lane)
 
 
@@ -535,8 +544,10 @@ def _decode_body(cfg: Config, params: Params, cache: Cache, state: LaneState, la
     groups = [model.Group(tokens, Segment(state.pos, n_in, page_table), "step")]
     if chunk is not None:
         # the chunk's lane leaves it with nothing pending; the step reads that count
-        cache = dataclasses.replace(cache, n_pend=lax.dynamic_update_slice_in_dim(
-            cache.n_pend, jnp.zeros((1,), jnp.int32), chunk.lane, 0))
+        cache = dataclasses.replace(cache, n_pend=(
+            cache.n_pend.at[chunk.lane].set(0, mode="drop") if chunk.packed else
+            lax.dynamic_update_slice_in_dim(cache.n_pend, jnp.zeros((1,), jnp.int32),
+                                            chunk.lane, 0)))
         groups.insert(0, model.Group(chunk.tokens, chunk.segment(), "chunk"))
     hs, cache = model.forward_groups(cfg, params, cache, groups, kernels)
     if chunk is not None and K > 0:

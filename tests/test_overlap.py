@@ -107,8 +107,8 @@ class _Host:
     def plan(self):
         """A plan, and its chunk recorded as the engine core does when it builds the step."""
         p = self.sched.schedule()
-        if p.prefill is not None:
-            self.sched.prefill_done(p.prefill)
+        for w in p.prefills:
+            self.sched.prefill_done(w)
         return p
 
 

@@ -65,9 +65,9 @@ def test_chunks_end_at_multiples_of_the_budget_and_snapshot_there(n, chunks_want
     chunks, saved = [], []
     while True:
         plan = s.schedule()
-        w = plan.prefill
-        if w is None:
+        if not plan.prefills:
             break
+        (w,) = plan.prefills
         chunks.append((w.start, w.start + len(w.tokens), w.joins))
         assert [r.join_token for r in plan.rows] == ([n - 1] if w.joins else [])
         slot = s.prefill_done(w)
@@ -157,7 +157,8 @@ def test_a_long_prompt_inserts_its_head_and_a_doubling_grid_only():
     s.add(Request(0, seq, SamplingParams(max_new_tokens=1), frozenset(),
                   stats=RequestStats.for_depth(1)))
     saved = []
-    while (w := s.schedule().prefill) is not None:
+    while (ws := s.schedule().prefills):
+        (w,) = ws
         slot = s.prefill_done(w)
         if slot is not None:
             saved.append(w.start + len(w.tokens))
@@ -227,7 +228,8 @@ def test_a_later_prompt_caches_where_it_leaves_a_shared_prefix():
         s.add(Request(i, prompt, SamplingParams(max_new_tokens=1), frozenset(),
                       stats=RequestStats.for_depth(0)))
         mine = []
-        while (w := s.schedule().prefill) is not None:
+        while (ws := s.schedule().prefills):
+            (w,) = ws
             slot = s.prefill_done(w)
             if slot is not None:
                 mine.append(w.start + len(w.tokens))
@@ -307,7 +309,7 @@ def test_siblings_wait_for_the_first_prefill_and_prefill_only_their_tail():
         waited += bool(s.queue) and None in s.lanes
         for src, dst in plan.moves:
             m.move(src, dst)
-        prefilled += len(plan.prefill.tokens) if plan.prefill else 0
+        prefilled += sum(len(w.tokens) for w in plan.prefills)
         m.step(s, plan)
         alloc.check()
     assert waited > 0

@@ -128,15 +128,15 @@ class MockModel:
 
     def step(self, sched, plan):
         """Run a plan's chunk and decode rows, report them, as the engine does."""
-        if plan.prefill:
-            self.prefill(plan.prefill)
+        for w in plan.prefills:
+            self.prefill(w)
         results = []
         for r in plan.rows:
             if r.join_token is not None:
                 self.join(r)
             results.append((r.lane, self.decode(r.lane, plan.depth)))
-        if plan.prefill:
-            slot = sched.prefill_done(plan.prefill)
+        for w in plan.prefills:
+            slot = sched.prefill_done(w)
             if slot is not None:           # the engine saves the snapshot, then publishes
                 sched.snapshot_saved(slot)
         for lane, (out, acc) in results:
@@ -182,7 +182,7 @@ def expected(prompt, n, stops=()):
 
 
 def run_mock(reqs, *, lanes, pages, page_size, k, chunk=5, max_seq_len=64, policy=None,
-             cancel_at=None):
+             cancel_at=None, prefill_rows=1, packed=None):
     pages_per_lane = pages_for(max_seq_len + 2 * k, page_size)
     alloc = PageAllocator(pages, page_size, lanes, pages_per_lane)
     streamed = {}
@@ -194,7 +194,7 @@ def run_mock(reqs, *, lanes, pages, page_size, k, chunk=5, max_seq_len=64, polic
             sched.cancel(i)
 
     sched = Scheduler(alloc, num_draft_slots=k, max_seq_len=max_seq_len, prefill_chunk=chunk,
-                      policy=policy, on_token=on_token)
+                      policy=policy, on_token=on_token, prefill_rows=prefill_rows)
     for i, (p, sp) in enumerate(reqs):
         assert sched.pages_worst_case(len(p), sp.max_new_tokens) <= pages
         sched.add(Request(i, p, sp, frozenset(sp.stop_token_ids),
@@ -208,6 +208,13 @@ def run_mock(reqs, *, lanes, pages, page_size, k, chunk=5, max_seq_len=64, polic
             m.move(src, dst)
         busy = [b for b, ln in enumerate(sched.lanes) if ln is not None]
         assert busy == list(range(len(busy))), f"busy lanes {busy} are not compact"
+        assert len(plan.prefills) <= prefill_rows
+        lanes_pre = [w.lane for w in plan.prefills]     # oldest first, one chunk a lane
+        assert len(set(lanes_pre)) == len(lanes_pre)
+        assert [sched.lanes[b].req.id for b in lanes_pre] == sorted(
+            sched.lanes[b].req.id for b in lanes_pre)
+        if packed is not None:
+            packed.append(len(plan.prefills))
         m.step(sched, plan)
         if plan.decode:
             ks.append(plan.depth)
@@ -222,11 +229,16 @@ def random_requests(n, seed):
              SamplingParams(max_new_tokens=rng.randint(1, 12))) for _ in range(n)]
 
 
-@pytest.mark.parametrize("k", [0, 1, 3])
-def test_mock_outputs_do_not_depend_on_lanes_pool_or_preemption(k):
+@pytest.mark.parametrize("k,rows", [(0, 1), (1, 1), (3, 1), (0, 3), (3, 8)])
+def test_mock_outputs_do_not_depend_on_lanes_pool_or_preemption(k, rows):
+    """rows > 1: packed prefill (several lanes' chunks a step, each written through its own
+    page table row): the same tokens, under preemption."""
     reqs = random_requests(200, seed=k)
-    sched, streamed, ks = run_mock(reqs, lanes=8, pages=12, page_size=4, k=k)
+    packed = []
+    sched, streamed, ks = run_mock(reqs, lanes=8, pages=12, page_size=4, k=k,
+                                   prefill_rows=rows, packed=packed)
     assert sched.preemptions > 0
+    assert (max(packed) > 1) == (rows > 1), max(packed)
     for i, (p, sp) in enumerate(reqs):
         o = sched.finished[i]
         assert o.token_ids == expected(p, sp.max_new_tokens), i
@@ -287,7 +299,7 @@ def test_cancel_running_and_queued_requests():
     s.add(Request(0, [1], SamplingParams(), frozenset()))
     s.cancel(0)
     plan = s.schedule()
-    assert plan.prefill is None and not s.has_work()
+    assert not plan.prefills and not s.has_work()
     assert s.finished[0].finish_reason == "cancelled" and s.finished[0].token_ids == []
 
 

@@ -391,7 +391,7 @@ def test_scheduler_bookkeeping_stays_bounded():
                 sched.cancel(i)
             batch = sched.schedule()
             if kind == 0:
-                sched.prefill_done(batch.prefill)
+                sched.prefill_done(*batch.prefills)
                 sched.decode_done(batch.rows[0].lane, [5], 0, 0)
         sched.cancel(i - 1)                  # ended
         sched.cancel(N + i)                  # never submitted

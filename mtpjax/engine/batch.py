@@ -25,6 +25,9 @@ import numpy as np
 
 from mtpjax.engine.kv_pool import pages_for
 
+# The default of StepShapes.prefill_rows: lanes whose prefill chunks one step carries together.
+PREFILL_ROWS = 4
+
 
 @dataclasses.dataclass(frozen=True)
 class StepShapes:
@@ -39,6 +42,7 @@ class StepShapes:
     prefill_chunk: int
     chunk_buckets: tuple[int, ...]
     ride_buckets: tuple[int, ...]
+    prefill_rows: int               # R: most lanes' chunks one step carries (packed prefill)
     mixed_max_depth: int
     max_seq_len: int
     page_size: int
@@ -67,11 +71,20 @@ class StepShapes:
         return next(b for b in (self.ride_buckets if rides else self.chunk_buckets)
                     if b >= max(n, 1))
 
+    def ride(self, lens: Sequence[int], rides: bool) -> tuple[int, int]:
+        """(rows, T) of the program carrying chunks of these lengths: one chunk, its bucket;
+        several (packed prefill), prefill_rows rows of prefill_chunk tokens: ONE packed shape
+        per program kind, so packing adds at most a program per mixed depth and one prefill
+        program (the mappings budget)."""
+        if len(lens) > 1:
+            return self.prefill_rows, self.prefill_chunk
+        return 1, self.chunk_bucket(lens[0], rides)
+
     @classmethod
     def build(cls, *, num_draft_slots: int, max_lanes: int, lane_slots: int | None,
               lane_buckets: Sequence[int] | None, prefill_chunk: int,
               prefill_buckets: Sequence[int] | None, ride_buckets: Sequence[int] | None,
-              mixed_max_depth: int | None, max_seq_len: int, max_position: int,
+              prefill_rows: int | None, mixed_max_depth: int | None, max_seq_len: int, max_position: int,
               page_size: int, num_pages: int | None, pool_pages: int | None,
               vocab_size: int) -> "StepShapes":
         """The engine's shape arguments, checked (ValueError), with their defaults."""
@@ -103,6 +116,11 @@ class StepShapes:
         if rides[0] < 1 or rides[-1] != prefill_chunk:
             raise ValueError(f"ride_buckets must be positive and end at prefill_chunk="
                              f"{prefill_chunk}, got {rides}")
+        # packed prefill: up to 4 lanes' chunks a step by default (never more than the lanes)
+        rows = min(PREFILL_ROWS, max_lanes) if prefill_rows is None else int(prefill_rows)
+        if not 1 <= rows <= max_lanes:
+            raise ValueError(f"prefill_rows must be in [1, max_lanes={max_lanes}], got "
+                             f"{prefill_rows}")
         # Room past the context limit for the k+1 verify slots and the k-1 chained MTP slots,
         # so that where a request stops does not depend on k.
         pages_per_lane = pages_for(max_seq_len + 2 * k, page_size)
@@ -112,7 +130,7 @@ class StepShapes:
         if pool_pages is None and slots_given:
             pool_pages = max(num_pages, lane_slots * pages_per_lane)
         return cls(k, max_lanes, lane_slots, lanes, prefill_chunk, tuple(buckets),
-                   tuple(rides), mixed, max_seq_len, page_size, pages_per_lane, num_pages,
+                   tuple(rides), rows, mixed, max_seq_len, page_size, pages_per_lane, num_pages,
                    pool_pages, vocab_size)
 
 
@@ -140,14 +158,32 @@ def _buckets(limit: int) -> list[int]:
 
 @dataclasses.dataclass(frozen=True)
 class ChunkInput:
-    """One lane's prefill chunk, padded to `bucket` tokens (positions [start, start+n_valid))."""
-    lane: int
-    start: int
-    n_valid: int
-    tokens: np.ndarray         # i32[1, bucket]
-    next_tokens: np.ndarray    # i32[1, bucket]: tokens[t]'s successor (the MTP pair)
-    page_table: np.ndarray     # i32[1, pages_per_lane]: the lane's row, as planned
+    """The prefill chunks a step carries, each padded to `bucket` tokens: one lane's (one row),
+    or several lanes' packed into StepShapes.prefill_rows rows (packed prefill). Row r < len(
+    lanes) is lanes[r]'s positions [starts[r], starts[r] + n_valid[r]), in arrival order; the
+    rows after them are padding (the runner gives them a lane slot out of range: they read
+    zeros and write nothing)."""
+    lanes: tuple[int, ...]
+    starts: tuple[int, ...]
+    n_valid: tuple[int, ...]
+    tokens: np.ndarray         # i32[rows, bucket]
+    next_tokens: np.ndarray    # i32[rows, bucket]: tokens[r, t]'s successor (the MTP pair)
+    page_table: np.ndarray     # i32[rows, pages_per_lane]: the lanes' rows, as planned
     bucket: int                # T: a chunk bucket alone, a ride bucket inside a decode step
+
+    @property
+    def rows(self) -> int:
+        return self.tokens.shape[0]
+
+    @property
+    def packed(self) -> bool:
+        """Several rows: the step's program takes each row's lane (steps.Chunk, packed)."""
+        return self.rows > 1
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """What the chunk adds to a program key: (T,) alone, (T, rows) packed."""
+        return (self.bucket, self.rows) if self.packed else (self.bucket,)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,7 +225,8 @@ class Batch:
     moves: tuple[tuple[int, int], ...] = ()      # (src, dst) lane moves, first
     restores: tuple[tuple[int, int], ...] = ()   # (lane, snapshot slot), after the moves
     chunk: ChunkInput | None = None
-    snapshot_slot: int | None = None             # save the chunk lane's GDN state here after
+    snapshots: tuple[tuple[int, int], ...] = ()  # (lane, slot): save a chunk lane's GDN state
+                                                 # there after the step
     active: np.ndarray | None = None             # bool[lanes]: decoding lanes
     join_mask: np.ndarray | None = None          # bool[lanes]: lanes joining with their last
     join_tokens: np.ndarray | None = None        # i32[lanes]   prompt token,
@@ -215,8 +252,8 @@ class Batch:
         """The program the step runs, as warmup_plan names it (None: no program)."""
         if self.decodes:
             return (("decode", self.depth, self.lanes) if self.chunk is None
-                    else ("mixed", self.depth, self.lanes, self.chunk.bucket))
-        return None if self.chunk is None else ("prefill", self.chunk.bucket)
+                    else ("mixed", self.depth, self.lanes) + self.chunk.shape)
+        return None if self.chunk is None else ("prefill",) + self.chunk.shape
 
 
 @dataclasses.dataclass(frozen=True)

@@ -8,13 +8,14 @@ opens and closes it); the core works on the session it is given.
 One iteration, as the façade (engine.py) drives it:
   1. `Scheduler.schedule()` plans the step (`scheduler.StepBatch`);
   2. `batch(sched, plan, read_drafts)` turns the plan into the model runner's record
-     (`batch.Batch`: host arrays in lane order): the chunk padded to its bucket, each lane's
+     (`batch.Batch`: host arrays in lane order): the chunks padded to their shape (one, or
+     several lanes' packed, `StepShapes.ride`), each lane's
      sampling settings, the grammar masks (from the drafts the device holds, read with
      `read_drafts`; masked drafts are corrected here and travel in the record), logit_bias,
-     the penalties' history rows, who wants log probabilities, and the snapshot slot the
-     prefix cache took at the chunk's end (`Scheduler.prefill_done`: an unpublished entry);
+     the penalties' history rows, who wants log probabilities, and the snapshot slots the
+     prefix cache took at the chunks' ends (`Scheduler.prefill_done`: unpublished entries);
   3. the runner runs the record and returns a `batch.StepResult`;
-  4. `commit(sched, plan, result)`: publish the snapshot, tell the depth policy what the
+  4. `commit(sched, plan, result)`: publish the snapshots, tell the depth policy what the
      step cost, hand each row its tokens (stop conditions, grammar, streaming via the
      session's on_token), in the plan's row order.
 The core never sees a device array; the runner never sees a request.
@@ -102,7 +103,7 @@ class EngineCore:
                          policy=self.policy, on_token=on_token, prefix_cache=self.prefix,
                          lanes=s.max_lanes, bucket=s.lane_bucket,
                          mixed_depth=s.mixed_max_depth, mixed_bucket=s.lane_slots,
-                         ride_bucket=lambda n: s.chunk_bucket(n, True))
+                         ride=lambda lens: s.ride(lens, True), prefill_rows=s.prefill_rows)
 
     def validate(self, prompt: list[int], params, sched: Scheduler) -> str | None:
         """Why the request cannot run (it then ends "error" without touching the device)."""
@@ -175,20 +176,11 @@ class EngineCore:
     # ---------------------------------------------------------------- plan -> record
     def batch(self, sched: Scheduler, plan: StepBatch, read_drafts: ReadDrafts) -> Batch:
         """The runner's record of `plan` (module docstring, step 2)."""
-        s, w = self.shapes, plan.prefill
-        chunk = None
-        if w is not None:
-            T = s.chunk_bucket(len(w.tokens), bool(plan.rows))
-            n = len(w.tokens)
-            toks = np.zeros((1, T), np.int32)
-            toks[0, :n] = w.tokens
-            nt = np.zeros((1, T), np.int32)
-            nt[0, :len(w.next_tokens)] = w.next_tokens
-            chunk = ChunkInput(w.lane, w.start, n, toks, nt,
-                               self.alloc.table[w.lane:w.lane + 1].copy(), T)
-        slot = self._snapshot_slot(sched, w)
+        s, works = self.shapes, plan.prefills
+        chunk = self._chunks(works, bool(plan.rows))
+        slots = self._snapshot_slots(sched, works)
         if not plan.rows:
-            return Batch(0, 0, plan.moves, plan.restores, chunk, slot)
+            return Batch(0, 0, plan.moves, plan.restores, chunk, slots)
         # a step carrying a chunk runs every lane slot: one program per depth, not per depth
         # and lane bucket (the idle slots are padding rows beside the chunk's tokens). The
         # view names the program (Scheduler._cell), so the depth policy's cell is this step's
@@ -222,16 +214,39 @@ class EngineCore:
             real = ([ln.drafts for ln in plan.view.lanes] if plan.view is not None
                     else [plan.depth] * len(lanes))
             forced = self.simulated.forced(plan.depth, lanes, real, nb)
-        return Batch(plan.depth, nb, plan.moves, plan.restores, chunk, slot, active, join_mask,
+        return Batch(plan.depth, nb, plan.moves, plan.restores, chunk, slots, active, join_mask,
                      join_tok, join_pos, table, self._sampling(sched, nb), masks, drafts,
                      extras, constrained, tuple(r.pos for r in plan.rows), forced)
 
+    def _chunks(self, works, rides: bool) -> ChunkInput | None:
+        """The plan's chunks padded to the program's shape (StepShapes.ride): one row each,
+        in the plan's order, then padding rows (no pages, no tokens)."""
+        if not works:
+            return None
+        s = self.shapes
+        rows, T = s.ride([len(w.tokens) for w in works], rides)
+        toks = np.zeros((rows, T), np.int32)
+        nt = np.zeros((rows, T), np.int32)
+        table = np.full((rows, s.pages_per_lane), -1, np.int32)
+        lanes = self.alloc.table              # checked on every read: read once
+        for r, w in enumerate(works):
+            toks[r, :len(w.tokens)] = w.tokens
+            nt[r, :len(w.next_tokens)] = w.next_tokens
+            table[r] = lanes[w.lane]
+        return ChunkInput(tuple(w.lane for w in works), tuple(w.start for w in works),
+                          tuple(len(w.tokens) for w in works), toks, nt, table, T)
+
     @staticmethod
-    def _snapshot_slot(sched: Scheduler, w) -> int | None:
-        """Record the chunk (Scheduler.prefill_done: host state only, before any row can end
-        in this step) and return the snapshot slot its end is saved into, or None. The entry
-        stays unpublished until `commit`."""
-        return None if w is None else sched.prefill_done(w)
+    def _snapshot_slots(sched: Scheduler, works) -> tuple[tuple[int, int], ...]:
+        """Record the chunks (Scheduler.prefill_done: host state only, before any row can
+        end in this step) and return (lane, slot) for each chunk whose end is saved into a
+        snapshot slot. The entries stay unpublished until `commit`."""
+        out = []
+        for w in works:
+            slot = sched.prefill_done(w)
+            if slot is not None:
+                out.append((w.lane, slot))
+        return tuple(out)
 
     def _sampling(self, sched: Scheduler, nb: int) -> SamplingRows:
         """Sampling settings of the first nb lane slots; idle slots get defaults."""
@@ -364,8 +379,8 @@ class EngineCore:
                result: StepResult) -> list[int]:
         """Apply a step's result (module docstring, step 4); returns the ids of the requests
         that got their first token in it."""
-        if batch.snapshot_slot is not None:   # the device holds it now: publish the entry
-            sched.snapshot_saved(batch.snapshot_slot)
+        for _, slot in batch.snapshots:       # the device holds them now: publish the entries
+            sched.snapshot_saved(slot)
         if not plan.rows:
             return []
         out, n_acc = result.tokens, result.accepted

@@ -232,7 +232,8 @@ class AdaptiveDepth:
         return self.pooled
 
     def _mixed_cell(self, view: StepView) -> tuple[int, int]:
-        """A chunk-carrying step's cost cell: (lane bucket, chunk bucket: powers of two)."""
+        """A chunk-carrying step's cost cell: (lane bucket, chunk tokens as the program carries
+        them, rows x ride bucket: powers of two)."""
         return view.bucket, context_bucket(view.chunk, 16)
 
     def mixed_values(self, view: StepView) -> list[float | None] | None:

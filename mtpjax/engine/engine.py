@@ -58,9 +58,9 @@ class Engine:
                  snapshot_every_blocks: int = 4, depth0_fills_mtp_kv: bool = False,
                  lane_slots: int | None = None, lane_buckets: Sequence[int] | None = None,
                  pool_pages: int | None = None, clock=None, mixed_max_depth: int | None = None,
-                 ride_buckets: Sequence[int] | None = None, draft_vocab=None,
-                 grammar_tokenizer=None, mask_drafts: bool = True, simulate_acceptance=None,
-                 overlap: bool = True):
+                 ride_buckets: Sequence[int] | None = None, prefill_rows: int | None = None,
+                 draft_vocab=None, grammar_tokenizer=None, mask_drafts: bool = True,
+                 simulate_acceptance=None, overlap: bool = True):
         k = int(num_speculative_tokens)        # K: the draft slots of every lane
         if k < 0:
             raise ValueError(f"num_speculative_tokens must be >= 0, got {k}")
@@ -70,7 +70,7 @@ class Engine:
             num_draft_slots=k, max_lanes=max_lanes, lane_slots=lane_slots,
             lane_buckets=lane_buckets, prefill_chunk=prefill_chunk,
             prefill_buckets=prefill_buckets, ride_buckets=ride_buckets,
-            mixed_max_depth=mixed_max_depth, max_seq_len=max_seq_len,
+            prefill_rows=prefill_rows, mixed_max_depth=mixed_max_depth, max_seq_len=max_seq_len,
             max_position=cfg.max_position_embeddings, page_size=page_size,
             num_pages=num_pages, pool_pages=pool_pages, vocab_size=cfg.vocab_size)
         if snapshot_every_blocks < 1:
@@ -114,9 +114,9 @@ class Engine:
                                  "constrained requests use (built at first use), or None.")
     # the shapes; K is num_draft_slots (callers' `k`), a step's depth is 0..K
     (num_draft_slots, max_lanes, lane_slots, lane_buckets, max_seq_len, prefill_chunk,
-     mixed_max_depth, page_size, num_pages, pages_per_lane, history_len) = _forwards(
+     prefill_rows, mixed_max_depth, page_size, num_pages, pages_per_lane, history_len) = _forwards(
         "shapes", "num_draft_slots max_lanes lane_slots lane_buckets max_seq_len prefill_chunk "
-        "mixed_max_depth page_size num_pages pages_per_lane history_len")
+        "prefill_rows mixed_max_depth page_size num_pages pages_per_lane history_len")
     k = _forward("shapes", "num_draft_slots", doc="K (num_speculative_tokens), as callers name it")
     chunk_buckets = property(lambda self: list(self.shapes.chunk_buckets))
     ride_buckets = property(lambda self: list(self.shapes.ride_buckets))
@@ -357,8 +357,9 @@ class Engine:
         ("decode", depth, lane bucket) for every depth (default 0..K) and lane bucket a run of
         up to `lanes` (default max_lanes) busy lanes reaches, ("mixed", depth, lane_slots, T)
         for every ride bucket T and depth up to mixed_max_depth, ("prefill", T) for every
-        chunk bucket, ("move_lane",) with more than one lane, ("snapshot_restore",) and
-        ("snapshot",) with the prefix cache; minus those this engine already ran."""
+        chunk bucket, packed prefill's ("mixed", depth, lane_slots, prefill_chunk, rows) and
+        ("prefill", prefill_chunk, rows) when prefill_rows > 1, ("move_lane",) with more than
+        one lane, the snapshot programs with the prefix cache; minus those already run."""
         return self.runner.warmup_plan(depths, lanes)
 
     def shape_key(self, key: tuple = ("decode",)) -> tuple:

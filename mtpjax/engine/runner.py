@@ -9,9 +9,10 @@ set of programs run so far, and the timing of every program it launches.
   1. its lane moves (compaction) and snapshot restores (prefix hits);
   2. the corrected drafts, when the record carries them (masked drafts);
   3. ONE program: the decode step at the record's depth over its lane bucket, with the
-     prefill chunk riding in it when there is one (key ("mixed", depth, lane_slots, T)),
-     or the chunk alone (("prefill", T));
-  4. the snapshot save of the chunk's lane when the record names a slot;
+     prefill chunk riding in it when there is one (key ("mixed", depth, lane_slots, T);
+     several lanes' chunks packed: ("mixed", depth, lane_slots, T, rows)), or the chunks
+     alone (("prefill", T), ("prefill", T, rows));
+  4. the snapshot saves of the chunks' lanes the record names;
 without waiting for them (an `InFlight`); `collect(flight)` waits and returns a
 `batch.StepResult` of host arrays (tokens, accepted counts, log probabilities when a lane
 asked). A step's seconds, which the depth policy learns from, are its own program's, not the
@@ -365,17 +366,16 @@ class ModelRunner:
         else:
             self.cache, modelled = self._program(key, lambda: steps.prefill_chunk(
                 self.cfg, self.params, self.cache, chunk, k=self.num_draft_slots,
-                kernels=self.kernels, mesh=self.mesh), start=c.start, is_last=False)
+                kernels=self.kernels, mesh=self.mesh), start=c.starts, is_last=False)
             tail = self.cache
         compiled = key not in self._programs
         self._programs.add(key)
-        if c is not None and batch.snapshot_slot is not None:
+        for lane, slot in batch.snapshots:
             # a boundary the prefix cache took: save (prefill work, whichever program
             # carried the chunk; its time is the launch's, after the step's outputs)
             (self.cache, self.snaps), saved = self._program(
                 ("snapshot",), lambda: snapshots.save(
-                    self.cache, self.snaps, jnp.int32(c.lane),
-                    jnp.int32(batch.snapshot_slot), mesh=self.mesh))
+                    self.cache, self.snaps, jnp.int32(lane), jnp.int32(slot), mesh=self.mesh))
             self.timing["prefill_s"] += saved
             tail = self.snaps
         self.timing["launches"] += 1
@@ -450,8 +450,8 @@ class ModelRunner:
             seconds = max(done - max(flight.launched, prev_end), 0.0)
             self._prev_end = flight.tail_seen
         if batch.chunk is not None:
-            self.timing["prefill_chunks"] += 1
-            self.timing["prefill_tokens"] += batch.chunk.n_valid   # not its padding
+            self.timing["prefill_chunks"] += len(batch.chunk.lanes)
+            self.timing["prefill_tokens"] += sum(batch.chunk.n_valid)   # not the padding
         if not batch.decodes:
             self.timing["prefill_s"] += seconds
             return StepResult(seconds=seconds, compiled=flight.compiled)
@@ -477,10 +477,19 @@ class ModelRunner:
         self.state = dataclasses.replace(self.state, drafts=(
             jax.device_put(drafts, old.sharding) if old.committed else jnp.asarray(drafts)))
 
-    @staticmethod
-    def _chunk(c: ChunkInput) -> steps.Chunk:
-        return steps.Chunk(jnp.int32(c.lane), jnp.asarray(c.tokens), jnp.asarray(c.next_tokens),
-                           jnp.int32(c.start), jnp.int32(c.n_valid), jnp.asarray(c.page_table))
+    def _chunk(self, c: ChunkInput) -> steps.Chunk:
+        """The record's chunks as the program takes them: scalars for one chunk; packed,
+        i32[rows] vectors whose padding rows name lane slot `lane_slots` (out of range: they
+        read zeros and write nothing) with no tokens."""
+        if not c.packed:
+            return steps.Chunk(jnp.int32(c.lanes[0]), jnp.asarray(c.tokens),
+                               jnp.asarray(c.next_tokens), jnp.int32(c.starts[0]),
+                               jnp.int32(c.n_valid[0]), jnp.asarray(c.page_table))
+        pad = c.rows - len(c.lanes)
+        vec = lambda xs, fill: jnp.asarray(np.array(tuple(xs) + (fill,) * pad, np.int32))
+        return steps.Chunk(vec(c.lanes, self.shapes.lane_slots), jnp.asarray(c.tokens),
+                           jnp.asarray(c.next_tokens), vec(c.starts, 0), vec(c.n_valid, 0),
+                           jnp.asarray(c.page_table))
 
     def _decode(self, batch: Batch, chunk):
         """Launch the decode step of the record (with the chunk when given); returns its
@@ -504,7 +513,7 @@ class ModelRunner:
                 self.cfg, self.params, self.cache, self.state, lanes, jnp.asarray(batch.active),
                 jnp.asarray(batch.page_table), join, chunk, allowed, extras, k=depth,
                 kernels=self.kernels, mesh=self.mesh, fill_mtp_kv=self.depth0_fills_mtp_kv),
-            list(batch.contexts), start=0 if batch.chunk is None else batch.chunk.start)
+            list(batch.contexts), start=0 if batch.chunk is None else batch.chunk.starts)
         for x in outputs[:2] + (list(outputs[2]) if want else []):
             x.copy_to_host_async()           # on its way while the host plans the next step
         return tuple(outputs), want, modelled
@@ -546,6 +555,11 @@ class ModelRunner:
         keys += [("mixed", d, s.lane_slots, T) for T in s.ride_buckets for d in depths
                  if d <= s.mixed_max_depth]
         keys += [("prefill", T) for T in s.chunk_buckets]
+        if s.prefill_rows > 1:     # packed prefill: one shape (StepShapes.ride)
+            packed = (s.prefill_chunk, s.prefill_rows)
+            keys += [("mixed", d, s.lane_slots) + packed for d in depths
+                     if d <= s.mixed_max_depth]
+            keys.append(("prefill",) + packed)
         if s.max_lanes > 1:
             keys.append(("move_lane",))
         if self.snapshot_slots is not None:
@@ -583,9 +597,14 @@ class ModelRunner:
         s = self.shapes
         no_pages = jnp.full((1, s.pages_per_lane), -1, jnp.int32)
 
-        def chunk(T):     # on lane 0, from position 0, no pages: writes nothing a request reads
-            zeros = jnp.zeros((1, T), jnp.int32)
-            return steps.Chunk(jnp.int32(0), zeros, zeros, jnp.int32(0), jnp.int32(T), no_pages)
+        def chunk(T, rows=1):   # on lane 0, from position 0, no pages: writes nothing a
+            zeros = jnp.zeros((rows, T), jnp.int32)           # request reads (packed: every
+            if rows == 1:                                     # row a padding row)
+                return steps.Chunk(jnp.int32(0), zeros, zeros, jnp.int32(0), jnp.int32(T),
+                                   no_pages)
+            none = jnp.zeros((rows,), jnp.int32)
+            return steps.Chunk(none + s.lane_slots, zeros, zeros, none, none + T,
+                               jnp.full((rows, s.pages_per_lane), -1, jnp.int32))
         if key[0] in ("decode", "mixed"):
             d, nb = key[1], key[2]
             lanes_s = LaneSampling.from_params([SamplingParams()] * nb)
@@ -593,12 +612,12 @@ class ModelRunner:
             self.cache, self.state, out, _, _ = steps.decode_step(
                 self.cfg, self.params, self.cache, self.state, lanes_s,
                 jnp.zeros(nb, bool), jnp.asarray(table[:nb]), steps.Join.none(nb),
-                chunk(key[3]) if key[0] == "mixed" else None, no_masks,
+                chunk(*key[3:]) if key[0] == "mixed" else None, no_masks,
                 steps.Extras.none(nb, s.history_len), k=d,
                 kernels=self.kernels, mesh=self.mesh, fill_mtp_kv=self.depth0_fills_mtp_kv)
             out.block_until_ready()
         elif key[0] == "prefill":
-            self.cache = steps.prefill_chunk(self.cfg, self.params, self.cache, chunk(key[1]),
+            self.cache = steps.prefill_chunk(self.cfg, self.params, self.cache, chunk(*key[1:]),
                                              k=self.num_draft_slots, kernels=self.kernels,
                                              mesh=self.mesh)
             jax.block_until_ready(self.cache)

@@ -18,11 +18,13 @@ iteration, runs the plan's programs, and reports the tokens back:
      prefilled once, each sibling prefills only its tail after the boundary (`_awaits_prefix`).
   2b. compaction: the highest busy lanes move into the lowest free ones (Plan.moves), so the
      busy lanes are always 0..n-1 and a decode step's lane bucket holds no idle lane.
-  3. work: at most one prefill chunk (the oldest lane still prefilling; chunks end at
-     multiples of prefill_chunk, the iteration's prefill token budget, and never include a
-     sequence's last token) plus one decode step over every lane that decodes, including a
-     lane whose last token joins now (after its final chunk, in the same step). The engine
-     runs both in one program. A lane in prefill is idle in the decode step.
+  3. work: the prefill chunks of up to `prefill_rows` lanes still prefilling, oldest first
+     (packed prefill; chunks end at multiples of prefill_chunk and never include a sequence's
+     last token, so a step's prefill budget is prefill_rows x prefill_chunk tokens) plus one
+     decode step over every lane that decodes, including a lane whose last token joins now
+     (after its final chunk, in the same step). Decode lanes always run: the chunks take
+     what the step carries beside them. The engine runs all of it in one program. A lane in
+     prefill is idle in the decode step.
   4. draft depth: `policy(view)` picks the step's depth d in 0..K from a `StepView` (the
      decoding lanes with their drafts and acceptance so far, the lane bucket, the deepest
      depth the free pages cover); lossless whatever it picks: sampling keys depend on
@@ -195,10 +197,11 @@ class StepBatch:
     prefix cache) reads this one record, so no two of them can disagree on which lane holds
     which request.
 
-    rows: the decode lanes in lane order; depth: the step's depth; prefill: at most one lane's
-    chunk, run in the same program as the rows; view: what the depth policy is told the step
-    ran (view.lanes correspond to rows, in order)."""
-    prefill: PrefillWork | None
+    rows: the decode lanes in lane order; depth: the step's depth; prefills: the lanes'
+    chunks (oldest first; several: packed prefill), run in the same program as the rows;
+    view: what the depth policy is told the step ran (view.lanes correspond to rows, in
+    order)."""
+    prefills: tuple[PrefillWork, ...]
     rows: tuple[BatchRow, ...]
     depth: int                # drafts verified by the decode step (0..num_draft_slots)
     preempted: tuple[int, ...] = ()   # request ids preempted while planning
@@ -232,8 +235,8 @@ class StepView:
     lanes: tuple[LaneView, ...]   # the decoding lanes, in lane order
     bucket: int               # lane slots the step runs (the engine's lane bucket)
     step: int                 # scheduler iteration
-    chunk: int = 0            # the prefill chunk riding in the step, padded to its ride
-                              # bucket (the program's shape; 0: none)
+    chunk: int = 0            # prefill tokens riding in the step, padded as the program
+                              # carries them (rows x ride bucket; 0: none)
 
     @property
     def context(self) -> int:
@@ -280,12 +283,15 @@ class Scheduler:
                  on_token: Callable[[int, list[int]], None] | None = None,
                  prefix_cache: PrefixCache | None = None, lanes: int | None = None,
                  bucket: Callable[[int], int] | None = None, mixed_depth: int | None = None,
-                 mixed_bucket: int | None = None, ride_bucket: Callable[[int], int] | None = None):
+                 mixed_bucket: int | None = None,
+                 ride: Callable[[list[int]], tuple[int, int]] | None = None,
+                 prefill_rows: int = 1):
         self.alloc, self.max_seq_len = alloc, max_seq_len
         self.num_draft_slots = k = int(num_draft_slots)   # K: the drafts a lane can hold
         # the deepest step that carries a prefill chunk (default K): a cap bounds the programs
         self.mixed_depth = k if mixed_depth is None else max(0, min(int(mixed_depth), k))
         self.chunk = prefill_chunk
+        self.prefill_rows = max(1, int(prefill_rows))   # lanes' chunks one step carries
         self.cache = prefix_cache
         self.policy = policy or SpeculationPolicy()
         self.on_token = on_token
@@ -296,10 +302,12 @@ class Scheduler:
             raise ValueError(f"{len(self.lanes)} lanes but the allocator has "
                              f"{alloc.max_lanes} lane slots")
         self.bucket = bucket or (lambda n: min(1 << (n - 1).bit_length(), len(self.lanes)))
-        # a step carrying a chunk runs `mixed_bucket` lane slots (default: every lane) with
-        # the chunk padded to ride_bucket(tokens): the cell its view names is that program's
+        # a step carrying chunks runs `mixed_bucket` lane slots (default: every lane) with
+        # the chunks padded to ride(their lengths) = (rows, T) (StepShapes.ride): the cell
+        # its view names is that program's
         self.mixed_bucket = len(self.lanes) if mixed_bucket is None else int(mixed_bucket)
-        self.ride_bucket = ride_bucket or (lambda n: n)
+        self.ride = ride or (lambda lens: (1, lens[0]) if len(lens) == 1
+                             else (self.prefill_rows, self.chunk))
         self.queue: list[Request] = []          # sorted by id
         self.finished: dict[int, RequestOutput] = {}
         # Bounded bookkeeping (a session may stay open for days): `cancelled` holds ids of live
@@ -495,14 +503,14 @@ class Scheduler:
         self._admit()
 
         running = self._running()
-        pre = next((b for b in running if self.lanes[b].prefilling), None)
-        joins = (pre is not None
-                 and self._chunk_end(self.lanes[pre]) == len(self.lanes[pre].seq) - 1)
+        pres = [b for b in running if self.lanes[b].prefilling][:self.prefill_rows]
+        joins = {b for b in pres
+                 if self._chunk_end(self.lanes[b]) == len(self.lanes[b].seq) - 1}
         decode = sorted(b for b in running
                         if (self.lanes[b].decoding and not self._waits(self.lanes[b]))
-                        or self.lanes[b].ready or (b == pre and joins))
-        pre_need = (self.alloc.needed(pre, self._chunk_end(self.lanes[pre]))
-                    if pre is not None and not joins else 0)
+                        or self.lanes[b].ready or b in joins)
+        pre_need = sum(self.alloc.needed(b, self._chunk_end(self.lanes[b]))
+                       for b in pres if b not in joins)
 
         available = self.alloc.available     # free + cached-only pages (one count)
 
@@ -510,13 +518,12 @@ class Scheduler:
             return pre_need + sum(self.alloc.needed(b, tokens_touched_decode(
                 self._feed_pos(self.lanes[b]), d)) for b in decode) <= available
         max_depth = next((d for d in range(self.num_draft_slots, -1, -1) if fits(d)), 0)
-        if pre is not None:
+        if pres:
             max_depth = min(max_depth, self.mixed_depth)
         depth = 0
         if decode:
             top = len(running)     # busy lanes are 0..n-1 after compaction
-            rides = (self._chunk_end(self.lanes[pre]) - self.lanes[pre].prefilled
-                     if pre is not None else None)
+            rides = [self._chunk_end(self.lanes[b]) - self.lanes[b].prefilled for b in pres]
             view = StepView(self.num_draft_slots, max_depth,
                             tuple(self._lane_view(b) for b in decode),
                             **self._cell(top, rides), step=self.step)
@@ -524,16 +531,16 @@ class Scheduler:
             for b in [b for b in decode if self.lanes[b].req.id in bad]:
                 self._finish(b, FINISH_ERROR, bad[self.lanes[b].req.id])
             decode = [b for b in decode if self.lanes[b] is not None]
-            pre = pre if pre is not None and self.lanes[pre] is not None else None
+            pres = [b for b in pres if self.lanes[b] is not None]
             if not (isinstance(depth, int) and 0 <= depth <= self.num_draft_slots):
                 raise ValueError(f"speculation policy returned {depth!r}; it must return a "
                                  f"depth in 0..{self.num_draft_slots}")
-            if pre is not None:
-                depth = min(depth, self.mixed_depth)   # a step carrying a chunk: capped
+            if pres:
+                depth = min(depth, self.mixed_depth)   # a step carrying chunks: capped
 
         want = {b: tokens_touched_decode(self._feed_pos(self.lanes[b]), depth) for b in decode}
-        if pre is not None and pre not in want:
-            want[pre] = self._chunk_end(self.lanes[pre])
+        for b in pres:
+            want.setdefault(b, self._chunk_end(self.lanes[b]))
         preempted = []
         for b in sorted(want, key=lambda b: self.lanes[b].req.id):
             if self.lanes[b] is None:          # preempted for an older lane
@@ -547,17 +554,18 @@ class Scheduler:
                 self.alloc.reserve(b, want[b])
 
         decode = [b for b in decode if self.lanes[b] is not None]
-        pre = pre if pre is not None and self.lanes[pre] is not None else None
+        pres = [b for b in pres if self.lanes[b] is not None]
         moves = self._compact()
         where = {src: dst for src, dst in moves}
-        pre = where.get(pre, pre)
+        pres = [where.get(b, b) for b in pres]
         decode = sorted(where.get(b, b) for b in decode)
 
-        work = None
-        if pre is not None:
-            ln = self.lanes[pre]
+        works = []
+        for b in pres:
+            ln = self.lanes[b]
             s, e = ln.prefilled, self._chunk_end(ln)
-            work = PrefillWork(pre, s, ln.seq[s:e], ln.seq[s + 1:e + 1], e == len(ln.seq) - 1)
+            works.append(PrefillWork(b, s, ln.seq[s:e], ln.seq[s + 1:e + 1],
+                                     e == len(ln.seq) - 1))
         rows = tuple(BatchRow(b, self.lanes[b].req.id, self._feed_pos(self.lanes[b]),
                               self.lanes[b].drafts if self.lanes[b].decoding else 0,
                               None if self.lanes[b].decoding else self.lanes[b].seq[-1])
@@ -566,8 +574,7 @@ class Scheduler:
         if rows:
             view = StepView(self.num_draft_slots, max_depth,
                             tuple(self._lane_view(r.lane) for r in rows),
-                            **self._cell(len(self._running()),
-                                         None if work is None else len(work.tokens)),
+                            **self._cell(len(self._running()), [len(w.tokens) for w in works]),
                             step=self.step)
         for r in rows:        # in flight until committed: the device holds `depth` drafts after
             ln = self.lanes[r.lane]
@@ -580,17 +587,18 @@ class Scheduler:
                 restores.append((b, ln.restore))
                 ln.restore = None
         self.step += 1
-        return StepBatch(work, rows, depth if rows else 0, tuple(preempted), moves, view,
-                         tuple(restores))
+        return StepBatch(tuple(works), rows, depth if rows else 0, tuple(preempted), moves,
+                         view, tuple(restores))
 
-    def _cell(self, top: int, rides: int | None) -> dict[str, int]:
-        """StepView's bucket and chunk (the lane bucket and chunk bucket) of the program a
-        step over running lanes 0..top-1 runs, with a chunk of `rides` tokens riding in it
-        (None: none): the cell the depth
-        policy decides in is the cell the step's time is recorded in (a chunk-carrying step
-        runs every lane slot, whichever lanes decode)."""
-        if rides is not None:      # a chunk rides (an empty one too: a fresh lane's reset)
-            return {"bucket": self.mixed_bucket, "chunk": self.ride_bucket(max(rides, 1))}
+    def _cell(self, top: int, rides: list[int]) -> dict[str, int]:
+        """StepView's bucket and chunk (the lane bucket, and the chunk tokens as the program
+        carries them) of the program a step over running lanes 0..top-1 runs, with chunks of
+        these lengths riding in it: the cell the depth policy decides in is the cell the
+        step's time is recorded in (a chunk-carrying step runs every lane slot, whichever
+        lanes decode; packed chunks run prefill_rows rows)."""
+        if rides:      # chunks ride (an empty one too: a fresh lane's reset)
+            rows, T = self.ride([max(n, 1) for n in rides])
+            return {"bucket": self.mixed_bucket, "chunk": rows * T}
         return {"bucket": self.bucket(top), "chunk": 0}
 
     def _choose_depth(self, view: StepView) -> tuple[int, dict[int, str]]:
