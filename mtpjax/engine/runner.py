@@ -94,6 +94,7 @@ def _timing() -> dict:
     # (with a clock; overlapped work hides part of them)
     return {"prefill_s": 0.0, "step_s": 0.0, "host_s": 0.0, "host_work_s": 0.0, "steps": 0,
             "plain_steps": 0, "mixed_steps": 0, "prefill_chunks": 0, "prefill_tokens": 0,
+            "packed_steps": 0,     # launches carrying several lanes' chunks (packed prefill)
             "lane_moves": 0,
             "moves_s": 0.0, "launches": 0, "overlapped": 0}
 
@@ -451,6 +452,7 @@ class ModelRunner:
             self._prev_end = flight.tail_seen
         if batch.chunk is not None:
             self.timing["prefill_chunks"] += len(batch.chunk.lanes)
+            self.timing["packed_steps"] += batch.chunk.packed
             self.timing["prefill_tokens"] += sum(batch.chunk.n_valid)   # not the padding
         if not batch.decodes:
             self.timing["prefill_s"] += seconds
