@@ -75,6 +75,8 @@ flags.DEFINE_enum("kernels", "auto", ["auto", "pallas", "reference", "interpret"
 flags.DEFINE_enum("dtype", "bfloat16", ["bfloat16", "float32"], "weights / KV dtype")
 flags.DEFINE_integer("page_size", 16, "KV page size in tokens")
 flags.DEFINE_integer("prefill_chunk", 64, "tokens of the prefill program's chunk")
+flags.DEFINE_integer("packed_rows", 1, "packed prefill: R > 1 adds mixed_k{d}_t{T}x{R} and "
+                     "prefill_t{T}x{R} (R lanes' chunks in one program, Engine prefill_rows)")
 flags.DEFINE_integer("draft_vocab", -1, "draft vocabulary size N (mtpjax/draft_vocab.py): the "
                      "programs draft over an N-row draft head instead of the lm_head (0: the "
                      "whole vocabulary; -1: the engine's default, draft_vocab.default_size: "
@@ -172,7 +174,7 @@ def main(argv):
             depths=[int(d) for d in FLAGS.depths] or None,
             mixed_depths=_mixed_depths(FLAGS.mixed_depths, FLAGS.depths,
                                        FLAGS.num_speculative_tokens),
-            draft_vocab=draft_vocab)
+            draft_vocab=draft_vocab, packed_rows=FLAGS.packed_rows)
     if FLAGS.programs:
         unknown = set(FLAGS.programs) - {p.name for p in progs}
         if unknown:

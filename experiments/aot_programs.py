@@ -79,7 +79,8 @@ class Program:
     dtype: str          # the weights' dtype (prices the floor's weight bytes)
     mesh: Any = None    # a tensor-parallel mesh: args carry their shardings, floors are per device
     key: tuple = ()     # the engine's program key (Engine.warmup_plan), e.g. ("decode", d, B)
-    start: int = 0      # prefill: the chunk's position in its lane (what the cost model prices)
+    start: int | tuple = 0   # prefill: the chunk's position in its lane (packed: each chunk's;
+                              # what the cost model prices)
 
 
 def _sds(shape, dtype):
@@ -90,7 +91,8 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
                    dtype: str = "bfloat16", page_size: int = 16,
                    prefill_chunk: int = 64, mesh=None, weights: str = "dense",
                    mtp_weights: str = "dense", depths=None, snapshot_slots: int = 4,
-                   mixed_depths=(), draft_vocab: int | None = None) -> list[Program]:
+                   mixed_depths=(), draft_vocab: int | None = None,
+                   packed_rows: int = 1) -> list[Program]:
     """The engine's programs for an engine of `lanes` lanes drafting K tokens.
 
     decode_k{d}: steps.decode_step of depth d (d drafts verified, d made; depth 0 on a K > 0
@@ -100,7 +102,9 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
     (steps.decode_step(chunk=...), key ("mixed", d, lanes, T)), for d in `mixed_depths`
     (default none): an iteration with a prefill in flight, which must read the weights once;
     prefill_t{T}: steps.prefill_chunk over one chunk of T tokens alone (no sampling, no
-    drafts: what an iteration runs when no lane decodes); draft: one chained MTP step
+    drafts: what an iteration runs when no lane decodes); packed_rows = R > 1 adds packed
+    prefill's mixed_k{d}_t{T}x{R} (each mixed depth) and prefill_t{T}x{R}: R lanes' chunks in
+    one program (keys ("mixed", d, lanes, T, R), ("prefill", T, R)); draft: one chained MTP step
     (steps.draft_chain with k = 2), the unit of the draft path (K >= 1 only); move_lane
     (steps.move_lane: lane compaction), snapshot_save and snapshot_restore
     (mtpjax/engine/snapshots.py, the prefix cache's GDN snapshots, `snapshot_slots` slots): with
@@ -150,13 +154,17 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
     chunk = steps.Chunk(lane=_sds((), i32), tokens=_sds((1, T), i32),
                         next_tokens=_sds((1, T), i32), start=_sds((), i32),
                         n_valid=_sds((), i32), page_table=_sds((1, pages_per_lane), i32))
+    R = int(packed_rows)
+    packed = steps.Chunk(lane=_sds((R,), i32), tokens=_sds((R, T), i32),
+                         next_tokens=_sds((R, T), i32), start=_sds((R,), i32),
+                         n_valid=_sds((R,), i32), page_table=_sds((R, pages_per_lane), i32))
     kw = dict(kernels=kernels)
     scalar = lambda dt: _sds((), dt)
     if mesh is not None:
         kw["mesh"] = mesh
         rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-        state, lane_sampling, active, table, join, chunk = _place(
-            (state, lane_sampling, active, table, join, chunk), rep)
+        state, lane_sampling, active, table, join, chunk, packed = _place(
+            (state, lane_sampling, active, table, join, chunk, packed), rep)
         scalar = lambda dt: _place(_sds((), dt), rep)
     price = dict(kv_token_bytes=2 * local.num_key_value_heads * cfg.head_dim
                  * jnp.dtype(local_cache.kv[0].k.dtype).itemsize,
@@ -196,6 +204,18 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
         (None, WEIGHT, CACHE, OTHER), Reads(1, 0, 0, 1, max_seq_len, 1, **price,
                                             target_lm_head=False), dtype, mesh,
         ("prefill", T), start))
+    if R > 1:              # packed prefill: R lanes' chunks, R GDN slots more
+        for k in mixed_depths:
+            progs.append(Program(
+                f"mixed_k{k}_t{T}x{R}", steps.decode_step, step_args + (packed, *masks(k)),
+                dict(k=k, **kw), step_kinds + (OTHER, OTHER, OTHER),
+                Reads(1, k, k, B, max_seq_len, B + R, **price), dtype,
+                mesh, ("mixed", k, B, T, R), (start,) * R))
+        progs.append(Program(
+            f"prefill_t{T}x{R}", steps.prefill_chunk, (cfg, params, cache, packed),
+            dict(k=K, **kw), (None, WEIGHT, CACHE, OTHER),
+            Reads(1, 0, 0, R, max_seq_len, R, **price, target_lm_head=False), dtype, mesh,
+            ("prefill", T, R), (start,) * R))
     if K > 0 and mesh is None:   # the draft chain alone: one-device programs only
         progs.append(Program(
             "draft", _draft_chain,

@@ -205,3 +205,26 @@ def test_prefill_rows_is_checked():
     with pytest.raises(ValueError, match="prefill_rows"):
         _engine(prefill_rows=0)
     assert _engine(max_lanes=2).prefill_rows == 2 and _engine().prefill_rows == 4
+
+
+# ------------------------------------------------------------------------------ 3. on the GPU
+
+def test_packed_programs_compile_for_the_h200_with_caches_in_place():
+    """The packed programs with the Pallas kernels compile deviceless for an H200 (the
+    trained tiny's widths, bf16): donated caches stay aliased (the chunks' GDN slots are
+    gathered and scattered back in place) and no weight is copied."""
+    import sys
+    sys.path.insert(0, REPO)
+    from experiments import aot_programs
+    from mtpjax.config import Config
+    cfg = Config.from_pretrained(CKPT)
+    progs = aot_programs.build_programs(cfg, lanes=4, max_seq_len=256, K=2, kernels="pallas",
+                                        dtype="bfloat16", page_size=16, prefill_chunk=32,
+                                        depths=[], mixed_depths=[2], packed_rows=4)
+    packed = {p.name: p for p in progs if p.name.endswith("x4")}
+    assert set(packed) == {"mixed_k2_t32x4", "prefill_t32x4"}
+    device = aot_programs.target_device("h200")
+    for name, prog in packed.items():
+        r = aot_programs.compile_program(prog, device)
+        assert r["donation"]["not_aliased"] == [], (name, r["donation"])
+        assert r["weight_copy_bytes"] == 0, name
