@@ -1,4 +1,4 @@
-"""`python -m experiments [judge|generate|bench|convert|train_tiny|gpu_check|aot|speed|mesh|serve|serve_bench|draft_vocab|draft_vocab_sweep|clock_check|cpu_flags|loop_check] [--flags]`.
+"""`python -m experiments [judge|generate|bench|convert|train_tiny|gpu_check|aot|speed|mesh|serve|serve_bench|draft_vocab|draft_vocab_sweep|clock_check|cpu_flags|loop_check|ttft_check] [--flags]`.
 
 Each sub-command is a module of this package that defines its absl flags at import time and a
 `main(argv)`; only the chosen module is imported, so flag names never collide.
@@ -23,7 +23,7 @@ from absl import app, flags
 
 COMMANDS = ("judge", "generate", "bench", "convert", "train_tiny", "gpu_check", "aot", "speed",
             "mesh", "serve", "serve_bench", "draft_vocab", "draft_vocab_sweep", "clock_check",
-            "cpu_flags", "loop_check")
+            "cpu_flags", "loop_check", "ttft_check")
 DEFAULT = "judge"
 CACHE_OFF_BY_DEFAULT = ("aot",)   # it measures compile time
 CACHE_ENV = "MTPJAX_COMPILATION_CACHE_DIR"

@@ -36,7 +36,8 @@ class RecordingClock(VirtualClock):
 
     def launch(self, key, contexts=(), start=0, is_last=True, wait=True):
         s = super().launch(key, contexts, start, is_last, wait)
-        self.calls.append((tuple(key), tuple(contexts), int(start), bool(is_last), s))
+        start = int(start) if isinstance(start, int) else tuple(map(int, start))
+        self.calls.append((tuple(key), tuple(contexts), start, bool(is_last), s))
         return s
 
 
@@ -71,7 +72,13 @@ def test_device_time_is_the_cost_models_price_of_every_launched_program(runs):
     assert dict(clock.launches) == dict(kinds)
     assert kinds["decode"] + kinds["mixed"] == timing["steps"] == sum(e.depth_steps) > 0
     assert kinds["mixed"] == timing["mixed_steps"]
-    assert kinds["prefill"] + kinds["mixed"] == timing["prefill_chunks"] > len(PROMPTS)
+    # a packed launch carries several chunks (one start each)
+    chunks = sum(len(start) if isinstance(start, tuple) else 1
+                 for key, _, start, _, _ in clock.calls if key[0] in ("prefill", "mixed"))
+    assert chunks == timing["prefill_chunks"] > len(PROMPTS)
+    assert timing["packed_steps"] == sum(len(key) == (5 if key[0] == "mixed" else 3)
+                                         for key, *_ in clock.calls
+                                         if key[0] in ("prefill", "mixed"))
     assert kinds["move_lane"] == timing["lane_moves"]
     assert set(kinds) <= {"decode", "mixed", "prefill", "move_lane", "snapshot", "snapshot_restore"}
     # step_s / prefill_s hold modelled seconds
@@ -85,7 +92,8 @@ def test_device_time_is_the_cost_models_price_of_every_launched_program(runs):
     for key, ctx, *_ in clock.calls:
         if key[0] in ("decode", "mixed"):
             assert 1 <= len(ctx) <= key[2] and all(shortest <= c < longest for c in ctx), (key, ctx)
-    starts = [start for key, _, start, _, _ in clock.calls if key[0] in ("prefill", "mixed")]
+    starts = [x for key, _, start, _, _ in clock.calls if key[0] in ("prefill", "mixed")
+              for x in (start if isinstance(start, tuple) else (start,))]
     assert 16 in starts and 0 in starts
 
 
