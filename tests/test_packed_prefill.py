@@ -193,7 +193,7 @@ def test_packed_steps_ran_and_took_fewer_launches(runs):
         assert t4["mixed_steps"] < t1["mixed_steps"], (t1, t4)
         packed = [p for p in e4.stats()["programs"] if len(p) == (5 if p[0] == "mixed" else 3)
                   and p[0] in ("mixed", "prefill")]
-        assert packed and all(p[-1] == 4 and p[-2] == 16 for p in packed), packed
+        assert packed and all(p[-1] == 4 and p[-2] in (8, 16) for p in packed), packed
         st = e4.stats()
         assert st["free_pages"] == st["total_pages"]
         assert st["prefix_cache"]["hits"] > 0

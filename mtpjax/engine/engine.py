@@ -357,9 +357,9 @@ class Engine:
         ("decode", depth, lane bucket) for every depth (default 0..K) and lane bucket a run of
         up to `lanes` (default max_lanes) busy lanes reaches, ("mixed", depth, lane_slots, T)
         for every ride bucket T and depth up to mixed_max_depth, ("prefill", T) for every
-        chunk bucket, packed prefill's ("mixed", depth, lane_slots, prefill_chunk, rows) and
-        ("prefill", prefill_chunk, rows) when prefill_rows > 1, ("move_lane",) with more than
-        one lane, the snapshot programs with the prefix cache; minus those already run."""
+        chunk bucket, packed prefill's ("mixed", depth, lane_slots, T, rows) and ("prefill",
+        T, rows) when prefill_rows > 1, ("move_lane",) with more than one lane, the
+        snapshot programs with the prefix cache; minus those already run."""
         return self.runner.warmup_plan(depths, lanes)
 
     def shape_key(self, key: tuple = ("decode",)) -> tuple:

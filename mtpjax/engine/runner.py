@@ -557,11 +557,11 @@ class ModelRunner:
         keys += [("mixed", d, s.lane_slots, T) for T in s.ride_buckets for d in depths
                  if d <= s.mixed_max_depth]
         keys += [("prefill", T) for T in s.chunk_buckets]
-        if s.prefill_rows > 1:     # packed prefill: one shape (StepShapes.ride)
-            packed = (s.prefill_chunk, s.prefill_rows)
-            keys += [("mixed", d, s.lane_slots) + packed for d in depths
+        if s.prefill_rows > 1:     # packed prefill: prefill_rows rows (StepShapes.ride)
+            R = s.prefill_rows
+            keys += [("mixed", d, s.lane_slots, T, R) for T in s.ride_buckets for d in depths
                      if d <= s.mixed_max_depth]
-            keys.append(("prefill",) + packed)
+            keys += [("prefill", T, R) for T in s.chunk_buckets]
         if s.max_lanes > 1:
             keys.append(("move_lane",))
         if self.snapshot_slots is not None:
