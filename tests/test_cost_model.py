@@ -307,6 +307,30 @@ def test_prefill_chunk_alone_samples_and_drafts_nothing():
         m0.w["target"] - m0.w["lm_head"] - 2 * m0._tail_params())
 
 
+def test_packed_chunks_are_priced_as_chunks_under_one_read_of_the_weights():
+    """Packed prefill ("mixed", d, B, T, R) and ("prefill", T, R): R chunks' KV, GDN slots,
+    activations and FLOPs (each at its own start; padding rows at 0), the weights once; its
+    kernels the one-row program's plus the lanes' gathers and scatters (an estimate)."""
+    from mtpjax.cost_model import PACKED_GDN_KERNELS
+    m = CostModel()
+    ctx = [1024] * 8
+    starts = (0, 64, 960)
+    one = [m.prefill(64, x) for x in starts + (0,)]
+    packed = m.prefill(64, starts, rows=4)
+    assert packed.bytes["weights"] == one[0].bytes["weights"]
+    for term in ("kv_read", "kv_write", "gdn_state"):
+        assert packed.bytes[term] == pytest.approx(sum(c.bytes[term] for c in one)), term
+    assert packed.flops == pytest.approx(sum(c.flops for c in one), rel=1e-9)
+    assert one[0].seconds < packed.seconds < sum(c.seconds for c in one)
+    mix, mix1 = m.mixed(2, 8, 64, ctx, starts, rows=4), m.mixed(2, 8, 64, ctx, 960)
+    assert mix.bytes["weights"] == mix1.bytes["weights"] and mix.flops > 3 * mix1.flops / 2
+    assert m.program(("mixed", 2, 8, 64, 4), ctx, starts) == mix
+    assert m.program(("prefill", 64, 4), (), starts) == packed
+    assert mix.kernels == m.mixed(2, 8, 64, ctx).kernels + PACKED_GDN_KERNELS * m.n_gdn
+    with pytest.raises(ValueError, match="starts"):
+        m.prefill(64, (0,) * 5, rows=4)          # more chunks than rows
+
+
 def test_mixed_is_the_step_and_the_chunk_with_the_weights_once():
     """("mixed", d, B, T): every term of the decode step and of the chunk alone, but the
     target weights once (the step's read, lm_head included) plus the chunk's MTP fill; the
