@@ -19,9 +19,12 @@ What runs, per round, interleaved so their ratio is measured in one sitting:
              request has its first token, over the time from then to the last token (the
              prefill left out, as llama.cpp's benches do); the end-to-end rate (prefill
              included) is in the JSON too
-  llama.cpp  B = 1: `llama-bench -t T -p 0 -n N -d P` (tg N at a depth of P cached tokens);
-             B > 1: `llama-batched-bench -t T -npp P -ntg N -npl B` (S_TG: B sequences decoded
-             together, one token each per step). Both decode without sampling.
+  llama.cpp  `llama-batched-bench -t T -npp P -ntg N -npl B -ctk f32 -ctv f32` (S_TG: B
+             sequences of P prompt tokens decoded together, one token each per step, the
+             prefill left out), for every B; at B = 1 also `llama-bench -t T -p 0 -n N -d P`
+             (tg N at a depth of P cached tokens), which takes no f32 KV cache (`-ctk` knows
+             f16, bf16 and quantized types only): it runs with its default f16 KV, a column of
+             its own. Both tools decode without sampling (ours samples greedily on device).
 
 Same tokens: once per batch size (before the timed rounds), llama-server (`-np B`, the same
 threads) generates greedily (top_k 1, stop at end-of-generation as our engine stops at the
@@ -245,33 +248,47 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 def summarize(cells: dict[int, dict]) -> list[dict]:
-    """Per batch size: the median over rounds of each engine's tokens/s and their ratio."""
+    """One row per (batch size, llama.cpp threads): the medians over rounds of each engine's
+    tokens/s and their ratios. cells[b]: "ours" (a list), "llama" and optionally
+    "llama_bench" ({threads: list}), the token check "tokens" and the 1-minute load
+    averages seen after each round ("load")."""
     import statistics
+    med = lambda xs: statistics.median(xs) if xs else None
     rows = []
     for b in sorted(cells):
         c = cells[b]
-        ours = statistics.median(c["ours"]) if c["ours"] else None
-        theirs = statistics.median(c["llama"]) if c["llama"] else None
-        rows.append({"batch": b, "ours_tokens_per_s": ours, "llama_tokens_per_s": theirs,
-                     "llama_over_ours": ratio(theirs, ours),
-                     "ours_rounds": list(c["ours"]), "llama_rounds": list(c["llama"]),
-                     "llama_tool": c.get("tool"), "tokens": c.get("tokens")})
+        ours = med(c["ours"])
+        for t in sorted(c["llama"]):
+            theirs = med(c["llama"][t])
+            lb_rounds = list((c.get("llama_bench") or {}).get(t) or [])
+            lb = med(lb_rounds)
+            rows.append({"batch": b, "threads": t, "ours_tokens_per_s": ours,
+                         "llama_tokens_per_s": theirs, "llama_over_ours": ratio(theirs, ours),
+                         "llama_bench_tokens_per_s": lb,
+                         "llama_bench_over_ours": ratio(lb, ours),
+                         "ours_rounds": list(c["ours"]), "llama_rounds": list(c["llama"][t]),
+                         "llama_bench_rounds": lb_rounds, "load": list(c.get("load") or []),
+                         "tokens": c.get("tokens")})
     return rows
 
 
 def format_table(rows: list[dict]) -> str:
-    """The markdown table of summarize's rows."""
-    lines = ["| batch | ours tok/s | llama.cpp tok/s | llama.cpp / ours | tokens matched | "
-             "llama.cpp tool |",
-             "|---:|---:|---:|---:|---|---|"]
+    """The markdown table of summarize's rows (medians over the rounds)."""
+    lines = ["| batch | llama.cpp threads | ours tok/s | llama.cpp tok/s (batched-bench, f32 KV) "
+             "| llama.cpp / ours | llama-bench tok/s (f16 KV) | llama-bench / ours | "
+             "greedy tokens matched | load (1 min) |",
+             "|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+    f = lambda x, p=1: "n/a" if x is None else f"{x:,.{p}f}"
     for r in rows:
         t = r.get("tokens") or {}
         match = (f"{t['matched']}/{t['compared']}" + (" (all)" if t.get("same") else "")
                  if t else "n/a")
-        f = lambda x, p=1: "n/a" if x is None else f"{x:,.{p}f}"
-        lines.append(f"| {r['batch']} | {f(r['ours_tokens_per_s'])} | "
-                     f"{f(r['llama_tokens_per_s'])} | {f(r['llama_over_ours'], 2)} | {match} | "
-                     f"{r.get('llama_tool') or 'n/a'} |")
+        load = r.get("load") or []
+        load = f"{min(load):.1f}-{max(load):.1f}" if load else "n/a"
+        lines.append(f"| {r['batch']} | {r['threads']} | {f(r['ours_tokens_per_s'])} | "
+                     f"{f(r['llama_tokens_per_s'])} | {f(r['llama_over_ours'], 2)} | "
+                     f"{f(r['llama_bench_tokens_per_s'])} | {f(r['llama_bench_over_ours'], 2)} "
+                     f"| {match} | {load} |")
     return "\n".join(lines)
 
 
@@ -287,9 +304,10 @@ def _run(cmd: list[str], timeout: float) -> str:
 
 
 def llama_bench_cmd(tool: str, gguf: str, threads: int, n_gen: int, depth: int,
-                    reps: int, kv_type: str = "f32") -> list[str]:
+                    reps: int) -> list[str]:
+    """Its KV cache stays at its default, f16 (llama-bench's -ctk takes no f32)."""
     return [tool, "-m", gguf, "-t", str(threads), "-p", "0", "-n", str(n_gen), "-d", str(depth),
-            "-r", str(reps), "-ctk", kv_type, "-ctv", kv_type, "-o", "json"]
+            "-r", str(reps), "-o", "json"]
 
 
 def batched_bench_cmd(tool: str, gguf: str, threads: int, n_gen: int, prompt: int,
@@ -393,7 +411,8 @@ def define_flags() -> None:
             ("integer", "new_tokens", 128, "tokens generated per sequence"),
             ("integer", "prompt_tokens", 32, "prompt tokens per sequence (held-out text)"),
             ("integer", "rounds", 3, "interleaved rounds (ours, llama.cpp) per batch size"),
-            ("integer", "threads", 2, "llama.cpp threads"),
+            ("list", "threads", ["2"], "llama.cpp threads (-t and -tb); each count is one "
+             "more llama.cpp run per round, the token check uses the first"),
             ("string", "kv_type", "f32", "llama.cpp's KV cache type (-ctk/-ctv; its default is "
              "f16, ours is the weights' float32)"),
             ("integer", "llama_bench_reps", 3, "llama-bench -r: repetitions inside one call"),
@@ -464,6 +483,7 @@ def main(argv):
     from mtpjax.text import Tokenizer
     log = Progress("llama_cpp")
     batches = [int(b) for b in F.batch_sizes]
+    threads = [int(t) for t in F.threads]
     n, P = F.new_tokens, F.prompt_tokens
     log(f"loading {F.checkpoint} (float32)")
     cfg, params = mtpjax.load_checkpoint(F.checkpoint, "float32")
@@ -473,13 +493,13 @@ def main(argv):
     cells: dict[int, dict] = {}
     for b in batches:
         engine = ours_engine(cfg, params, b, P, n)
-        cell = cells[b] = {"ours": [], "ours_end_to_end": [], "llama": [],
-                           "tool": "llama-bench" if b == 1 else "llama-batched-bench"}
+        cell = cells[b] = {"ours": [], "ours_end_to_end": [], "llama": {t: [] for t in threads},
+                           "load": []}
         log(f"batch {b}: warm-up of our engine (compiles)")
         ours_generate(engine, prompts[:b], n)
         if F.check_tokens:
             log(f"batch {b}: greedy tokens, ours and llama-server -np {b}")
-            t = token_check(tools, gguf, engine, prompts[:b], n, F.threads, eos, log,
+            t = token_check(tools, gguf, engine, prompts[:b], n, threads[0], eos, log,
                             F.kv_type)
             cell["tokens"] = t
             log(f"batch {b}: tokens matched {t['matched']}/{t['compared']}")
@@ -488,21 +508,28 @@ def main(argv):
             rate = decode_rate(events, b)
             cell["ours"].append(rate["tokens_per_s"])
             cell["ours_end_to_end"].append(sum(len(o.token_ids) for o in outs) / wall)
-            if b == 1:
-                text = _run(llama_bench_cmd(tools["llama-bench"], gguf, F.threads, n, P,
-                                            F.llama_bench_reps, F.kv_type), timeout=600)
-                res = llama_bench_decode(parse_llama_bench(text), n)
-            else:
+            said = []
+            for th in threads:
                 res = run_batched_bench(batched_bench_cmd(
-                    tools["llama-batched-bench"], gguf, F.threads, n, P, b, F.kv_type), b, n)
-            cell["llama"].append(res["tokens_per_s"])
-            cell.setdefault("llama_details", []).append(res)
-            log(f"batch {b} round {r + 1}: ours {rate['tokens_per_s']:.1f} tok/s, llama.cpp "
-                f"{res['tokens_per_s']:.1f} tok/s ({cell['tool']}), load "
-                f"{os.getloadavg()[0]:.2f}")
+                    tools["llama-batched-bench"], gguf, th, n, P, b, F.kv_type), b, n)
+                cell["llama"][th].append(res["tokens_per_s"])
+                cell.setdefault("llama_details", []).append({"threads": th, **res})
+                said.append(f"-t {th}: {res['tokens_per_s']:.1f}")
+                if b == 1:
+                    text = _run(llama_bench_cmd(tools["llama-bench"], gguf, th, n, P,
+                                                F.llama_bench_reps), timeout=600)
+                    lb = llama_bench_decode(parse_llama_bench(text), n)
+                    cell.setdefault("llama_bench", {}).setdefault(th, []).append(
+                        lb["tokens_per_s"])
+                    cell.setdefault("llama_bench_details", []).append({"threads": th, **lb})
+                    said.append(f"llama-bench -t {th}: {lb['tokens_per_s']:.1f}")
+            cell["load"].append(os.getloadavg()[0])
+            log(f"batch {b} round {r + 1}: ours {rate['tokens_per_s']:.1f} tok/s; llama.cpp "
+                f"{', '.join(said)} tok/s; load {cell['load'][-1]:.2f}")
     rows = summarize(cells)
     print(format_table(rows))
-    out = {"checkpoint": os.path.abspath(F.checkpoint), "gguf": gguf, "threads": F.threads,
+    out = {"checkpoint": os.path.abspath(F.checkpoint), "gguf": gguf, "threads": threads,
+           "kv_type": F.kv_type,
            "new_tokens": n, "prompt_tokens": P, "rounds": F.rounds,
            "loadavg_end": os.getloadavg(), "rows": rows,
            "cells": {str(b): {k: v for k, v in c.items() if k != "tokens"}

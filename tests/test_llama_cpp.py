@@ -104,9 +104,9 @@ def test_batched_bench_missing_row_reruns(monkeypatch):
 def test_commands_name_the_settings():
     b = lc.llama_bench_cmd("/x/llama-bench", "m.gguf", 2, 128, 32, 3)
     assert b[:3] == ["/x/llama-bench", "-m", "m.gguf"]
-    assert " -t 2 -p 0 -n 128 -d 32 -r 3 -ctk f32 -ctv f32 -o json" in " " + " ".join(b[3:])
+    assert " ".join(b[3:]) == "-t 2 -p 0 -n 128 -d 32 -r 3 -o json"
     bb = " ".join(lc.batched_bench_cmd("bb", "m.gguf", 2, 128, 32, 8))
-    assert "-npp 32 -ntg 128 -npl 8,1" in bb and "--output-format jsonl" in bb
+    assert "-npp 32 -ntg 128 -npl 8,1 -ctk f32 -ctv f32 --output-format jsonl" in bb
 
 
 def test_completion_reply():
@@ -141,16 +141,19 @@ def test_decode_rate_leaves_the_prefills_out():
 
 
 def test_summarize_and_table():
-    cells = {8: {"ours": [100.0, 120.0, 110.0], "llama": [200.0, 240.0, 220.0],
-                 "tool": "llama-batched-bench"},
-             1: {"ours": [50.0], "llama": [100.0], "tool": "llama-bench",
+    cells = {8: {"ours": [100.0, 120.0, 110.0], "llama": {2: [200.0, 240.0, 220.0]},
+                 "load": [3.0, 4.5, 4.0]},
+             1: {"ours": [50.0], "llama": {1: [75.0], 2: [100.0]},
+                 "llama_bench": {2: [150.0]},
                  "tokens": {"matched": 128, "compared": 128, "same": True}}}
     rows = lc.summarize(cells)
-    assert [r["batch"] for r in rows] == [1, 8]
-    assert rows[1]["ours_tokens_per_s"] == 110.0 and rows[1]["llama_over_ours"] == 2.0
+    assert [(r["batch"], r["threads"]) for r in rows] == [(1, 1), (1, 2), (8, 2)]
+    assert rows[2]["ours_tokens_per_s"] == 110.0 and rows[2]["llama_over_ours"] == 2.0
+    assert rows[1]["llama_bench_over_ours"] == 3.0 and rows[0]["llama_bench_tokens_per_s"] is None
     table = lc.format_table(rows)
-    assert "| 1 | 50.0 | 100.0 | 2.00 | 128/128 (all) | llama-bench |" in table
-    assert "| 8 | 110.0 | 220.0 | 2.00 | n/a | llama-batched-bench |" in table
+    assert "| 1 | 1 | 50.0 | 75.0 | 1.50 | n/a | n/a | 128/128 (all) | n/a |" in table
+    assert "| 1 | 2 | 50.0 | 100.0 | 2.00 | 150.0 | 3.00 | 128/128 (all) | n/a |" in table
+    assert "| 8 | 2 | 110.0 | 220.0 | 2.00 | n/a | n/a | n/a | 3.0-4.5 |" in table
 
 
 def _exe(path):
