@@ -243,6 +243,47 @@ def decode_rate(events: Sequence[tuple[float, int, int]], n_requests: int) -> di
     return {"tokens_per_s": tokens / (t1 - t0), "decode_tokens": tokens, "decode_s": t1 - t0}
 
 
+def proc_stat_busy(text: str) -> float:
+    """Busy CPU seconds of the whole machine since boot, from /proc/stat's `cpu` line (user,
+    nice, system, irq, softirq, steal; idle and iowait left out), at 100 ticks a second."""
+    for line in text.splitlines():
+        if line.startswith("cpu "):
+            v = [int(x) for x in line.split()[1:]]
+            busy = v[0] + v[1] + v[2] + sum(v[5:8])
+            return busy / 100.0
+    raise ValueError("no 'cpu ' line in /proc/stat")
+
+
+class OthersCpu:
+    """The share of the machine's cores that OTHER processes kept busy over an interval:
+    (machine busy seconds - this process's and its finished children's CPU seconds) /
+    (wall seconds x cores). The load average lags by a minute; this is the interval's own."""
+
+    def __init__(self):
+        self.t0, self.b0, self.own0 = time.perf_counter(), self._busy(), self._own()
+
+    @staticmethod
+    def _busy() -> float | None:
+        try:
+            with open("/proc/stat") as f:
+                return proc_stat_busy(f.read())
+        except (OSError, ValueError):
+            return None
+
+    @staticmethod
+    def _own() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def share(self) -> float | None:
+        b1 = self._busy()
+        if b1 is None or self.b0 is None:
+            return None
+        wall = time.perf_counter() - self.t0
+        others = (b1 - self.b0) - (self._own() - self.own0)
+        return max(0.0, others) / (wall * (os.cpu_count() or 1))
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else a / b
 
@@ -251,7 +292,8 @@ def summarize(cells: dict[int, dict]) -> list[dict]:
     """One row per (batch size, llama.cpp threads): the medians over rounds of each engine's
     tokens/s and their ratios. cells[b]: "ours" (a list), "llama" and optionally
     "llama_bench" ({threads: list}), the token check "tokens" and the 1-minute load
-    averages seen after each round ("load")."""
+    averages seen after each round ("load"), the share of the cores other processes used
+    in each round ("others_cpu", OthersCpu)."""
     import statistics
     med = lambda xs: statistics.median(xs) if xs else None
     rows = []
@@ -268,6 +310,7 @@ def summarize(cells: dict[int, dict]) -> list[dict]:
                          "llama_bench_over_ours": ratio(lb, ours),
                          "ours_rounds": list(c["ours"]), "llama_rounds": list(c["llama"][t]),
                          "llama_bench_rounds": lb_rounds, "load": list(c.get("load") or []),
+                         "others_cpu": list(c.get("others_cpu") or []),
                          "tokens": c.get("tokens")})
     return rows
 
@@ -276,8 +319,8 @@ def format_table(rows: list[dict]) -> str:
     """The markdown table of summarize's rows (medians over the rounds)."""
     lines = ["| batch | llama.cpp threads | ours tok/s | llama.cpp tok/s (batched-bench, f32 KV) "
              "| llama.cpp / ours | llama-bench tok/s (f16 KV) | llama-bench / ours | "
-             "greedy tokens matched | load (1 min) |",
-             "|---:|---:|---:|---:|---:|---:|---:|---|---|"]
+             "greedy tokens matched | load (1 min) | other processes' CPU |",
+             "|---:|---:|---:|---:|---:|---:|---:|---|---|---|"]
     f = lambda x, p=1: "n/a" if x is None else f"{x:,.{p}f}"
     for r in rows:
         t = r.get("tokens") or {}
@@ -285,10 +328,12 @@ def format_table(rows: list[dict]) -> str:
                  if t else "n/a")
         load = r.get("load") or []
         load = f"{min(load):.1f}-{max(load):.1f}" if load else "n/a"
+        oc = [x for x in r.get("others_cpu") or [] if x is not None]
+        oc = f"{100 * min(oc):.0f}-{100 * max(oc):.0f}%" if oc else "n/a"
         lines.append(f"| {r['batch']} | {r['threads']} | {f(r['ours_tokens_per_s'])} | "
                      f"{f(r['llama_tokens_per_s'])} | {f(r['llama_over_ours'], 2)} | "
                      f"{f(r['llama_bench_tokens_per_s'])} | {f(r['llama_bench_over_ours'], 2)} "
-                     f"| {match} | {load} |")
+                     f"| {match} | {load} | {oc} |")
     return "\n".join(lines)
 
 
@@ -504,6 +549,7 @@ def main(argv):
             cell["tokens"] = t
             log(f"batch {b}: tokens matched {t['matched']}/{t['compared']}")
         for r in range(F.rounds):
+            others = OthersCpu()
             outs, events, wall = ours_generate(engine, prompts[:b], n)
             rate = decode_rate(events, b)
             cell["ours"].append(rate["tokens_per_s"])
@@ -524,8 +570,11 @@ def main(argv):
                     cell.setdefault("llama_bench_details", []).append({"threads": th, **lb})
                     said.append(f"llama-bench -t {th}: {lb['tokens_per_s']:.1f}")
             cell["load"].append(os.getloadavg()[0])
+            cell.setdefault("others_cpu", []).append(others.share())
+            share = cell["others_cpu"][-1]
             log(f"batch {b} round {r + 1}: ours {rate['tokens_per_s']:.1f} tok/s; llama.cpp "
-                f"{', '.join(said)} tok/s; load {cell['load'][-1]:.2f}")
+                f"{', '.join(said)} tok/s; load {cell['load'][-1]:.2f}, other processes "
+                + ("n/a" if share is None else f"{100 * share:.0f}%") + " of the cores")
     rows = summarize(cells)
     print(format_table(rows))
     out = {"checkpoint": os.path.abspath(F.checkpoint), "gguf": gguf, "threads": threads,

@@ -142,7 +142,7 @@ def test_decode_rate_leaves_the_prefills_out():
 
 def test_summarize_and_table():
     cells = {8: {"ours": [100.0, 120.0, 110.0], "llama": {2: [200.0, 240.0, 220.0]},
-                 "load": [3.0, 4.5, 4.0]},
+                 "load": [3.0, 4.5, 4.0], "others_cpu": [0.5, 0.25, None]},
              1: {"ours": [50.0], "llama": {1: [75.0], 2: [100.0]},
                  "llama_bench": {2: [150.0]},
                  "tokens": {"matched": 128, "compared": 128, "same": True}}}
@@ -151,9 +151,20 @@ def test_summarize_and_table():
     assert rows[2]["ours_tokens_per_s"] == 110.0 and rows[2]["llama_over_ours"] == 2.0
     assert rows[1]["llama_bench_over_ours"] == 3.0 and rows[0]["llama_bench_tokens_per_s"] is None
     table = lc.format_table(rows)
-    assert "| 1 | 1 | 50.0 | 75.0 | 1.50 | n/a | n/a | 128/128 (all) | n/a |" in table
-    assert "| 1 | 2 | 50.0 | 100.0 | 2.00 | 150.0 | 3.00 | 128/128 (all) | n/a |" in table
-    assert "| 8 | 2 | 110.0 | 220.0 | 2.00 | n/a | n/a | n/a | 3.0-4.5 |" in table
+    assert "| 1 | 1 | 50.0 | 75.0 | 1.50 | n/a | n/a | 128/128 (all) | n/a | n/a |" in table
+    assert "| 1 | 2 | 50.0 | 100.0 | 2.00 | 150.0 | 3.00 | 128/128 (all) | n/a | n/a |" in table
+    assert "| 8 | 2 | 110.0 | 220.0 | 2.00 | n/a | n/a | n/a | 3.0-4.5 | 25-50% |" in table
+
+
+def test_proc_stat_busy():
+    text = ("cpu  100 20 30 1000 50 5 6 7 0 0\n"
+            "cpu0 50 10 15 500 25 2 3 3 0 0\n")
+    # user + nice + system + irq + softirq + steal = 100 + 20 + 30 + 5 + 6 + 7 ticks
+    assert lc.proc_stat_busy(text) == pytest.approx(1.68)
+    with pytest.raises(ValueError):
+        lc.proc_stat_busy("intr 1 2 3\n")
+    share = lc.OthersCpu().share()
+    assert share is None or 0.0 <= share
 
 
 def _exe(path):
