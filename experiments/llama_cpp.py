@@ -284,6 +284,26 @@ class OthersCpu:
         return max(0.0, others) / (wall * (os.cpu_count() or 1))
 
 
+def logprob_agreement(ours_top: Sequence[Sequence[tuple[int, float]]],
+                      llama_top: Sequence[Sequence[tuple[int, float]]], matched: int) -> dict:
+    """Over the first `matched` positions (both engines chose the same token), per position
+    the best two (id, logprob) pairs of each engine: the smallest top-1 - top-2 margin each
+    engine saw (how near a float32 near-tie came to flipping a token) and the largest
+    difference between the engines' log-probabilities of the chosen token."""
+    margins = {"ours": [], "llama": []}
+    diffs = []
+    for j in range(min(matched, len(ours_top), len(llama_top))):
+        a, b = ours_top[j], llama_top[j]
+        for name, top in (("ours", a), ("llama", b)):
+            if len(top) >= 2:
+                margins[name].append(top[0][1] - top[1][1])
+        if a and b and a[0][0] == b[0][0]:
+            diffs.append(abs(a[0][1] - b[0][1]))
+    low = lambda xs: min(xs) if xs else None
+    return {"min_margin_ours": low(margins["ours"]), "min_margin_llama": low(margins["llama"]),
+            "max_chosen_logprob_diff": max(diffs) if diffs else None, "positions": len(diffs)}
+
+
 def ratio(a: float | None, b: float | None) -> float | None:
     return None if not a or not b else a / b
 
@@ -506,11 +526,17 @@ def token_check(tools, gguf, engine, prompts, n_new, threads, eos_ids, log,
             log(f"request {i}: diverges at token {d}: ours {o.token_ids[d:d + 1]}, llama.cpp "
                 f"{t['tokens'][d:d + 1]}; ours top-2 {c.get('ours_top2_at_divergence')}, "
                 f"llama.cpp top-2 {c.get('llama_top2_at_divergence')}")
+        if o.logprobs:
+            c.update(logprob_agreement([lp.top for lp in o.logprobs], t["top"], c["matched"]))
         compared += max(c["ours_len"], c["llama_len"])
         matched += c["matched"]
         per.append(c)
+    pick = lambda key, f: (f(v) if (v := [c[key] for c in per if c.get(key) is not None])
+                           else None)
     return {"matched": matched, "compared": compared, "same": all(c["same"] for c in per),
-            "requests": per}
+            "min_margin_ours": pick("min_margin_ours", min),
+            "min_margin_llama": pick("min_margin_llama", min),
+            "max_chosen_logprob_diff": pick("max_chosen_logprob_diff", max), "requests": per}
 
 
 def main(argv):
@@ -547,7 +573,10 @@ def main(argv):
             t = token_check(tools, gguf, engine, prompts[:b], n, threads[0], eos, log,
                             F.kv_type)
             cell["tokens"] = t
-            log(f"batch {b}: tokens matched {t['matched']}/{t['compared']}")
+            log(f"batch {b}: tokens matched {t['matched']}/{t['compared']}; smallest top-2 "
+                f"log-prob margin ours {t['min_margin_ours']}, llama.cpp "
+                f"{t['min_margin_llama']}; largest difference of the chosen token's log-prob "
+                f"{t['max_chosen_logprob_diff']}")
         for r in range(F.rounds):
             others = OthersCpu()
             outs, events, wall = ours_generate(engine, prompts[:b], n)

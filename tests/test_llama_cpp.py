@@ -130,6 +130,17 @@ def test_compare_tokens():
     assert c["matched"] == 2 and c["first_divergence"] == 2 and not c["same"]
 
 
+def test_logprob_agreement():
+    ours = [[(5, -0.1), (3, -2.5)], [(7, -1.0), (8, -1.05)], [(9, -0.2), (1, -3.0)]]
+    llama = [[(5, -0.1001), (3, -2.5)], [(7, -1.002), (8, -1.0)], [(4, -0.1), (9, -0.3)]]
+    a = lc.logprob_agreement(ours, llama, matched=2)     # the third position diverged
+    assert a["positions"] == 2
+    assert a["min_margin_ours"] == pytest.approx(0.05)
+    assert a["min_margin_llama"] == pytest.approx(-0.002)
+    assert a["max_chosen_logprob_diff"] == pytest.approx(0.002)
+    assert lc.logprob_agreement([], [], 0)["min_margin_ours"] is None
+
+
 def test_decode_rate_leaves_the_prefills_out():
     # two requests: first tokens at t=1.0 and t=2.0 (prefills), then 1 token each per 0.5 s
     ev = [(1.0, 0, 1), (2.0, 1, 1), (2.5, 0, 1), (2.5, 1, 1), (3.0, 0, 1), (3.0, 1, 1)]
