@@ -9,7 +9,8 @@ cmake (`llama-bench llama-batched-bench llama-server`), and
 `convert_hf_to_gguf.py checkpoints/tiny --outtype f32`.
 
     python -m experiments llama_cpp --llama_cpp_dir=/work/llama/llama.cpp/build/bin \\
-        --gguf=/work/llama/gguf/tiny-f32.gguf --batch_sizes=1,8 --new_tokens=128 --rounds=3
+        --gguf=/work/llama/gguf/tiny-f32.gguf --batch_sizes=1,8 --new_tokens=128 --rounds=3 \\
+        --threads=2,1
 
 What runs, per round, interleaved so their ratio is measured in one sitting:
 
@@ -25,12 +26,20 @@ What runs, per round, interleaved so their ratio is measured in one sitting:
              (tg N at a depth of P cached tokens), which takes no f32 KV cache (`-ctk` knows
              f16, bf16 and quantized types only): it runs with its default f16 KV, a column of
              its own. Both tools decode without sampling (ours samples greedily on device).
+             Each `--threads` count is one more llama.cpp run per round.
+
+Each round also records the 1-minute load average and the share of the cores OTHER processes
+used during it (/proc/stat less this process's and its children's CPU time): llama.cpp with as
+many threads as cores collapses when another process takes a core (RESULTS.md), so a ratio
+means something only beside that share.
 
 Same tokens: once per batch size (before the timed rounds), llama-server (`-np B`, the same
 threads) generates greedily (top_k 1, stop at end-of-generation as our engine stops at the
 checkpoint's eos ids) from the same prompt ids, B requests at once, and each request's tokens
 are compared with ours; at the first divergence both engines' two best log-probabilities are
-given (the margin: a float32 near-tie can flip from summation order alone).
+given (the margin: a float32 near-tie can flip from summation order alone), and over the
+matched tokens the smallest top-2 margin each engine saw and the largest difference between
+their log-probabilities of the chosen token.
 
 The functions that read llama.cpp's output and find its tools take no flags (tests/
 test_llama_cpp.py tests them without llama.cpp); the flags are defined only when this module
