@@ -1,7 +1,8 @@
-"""`python -m experiments [judge|generate|bench|convert|train_tiny|gpu_check|aot|speed|mesh|serve|serve_bench|draft_vocab|draft_vocab_sweep|clock_check|cpu_flags|loop_check|ttft_check] [--flags]`.
+"""`python -m experiments [judge|generate|bench|convert|train_tiny|gpu_check|aot|speed|mesh|serve|serve_bench|draft_vocab|draft_vocab_sweep|clock_check|cpu_flags|loop_check|ttft_check|llama_cpp] [--flags]`.
 
-Each sub-command is a module of this package that defines its absl flags at import time and a
-`main(argv)`; only the chosen module is imported, so flag names never collide.
+Each sub-command is a module of this package that defines its absl flags at import time (or in
+a `define_flags()`, called here, when tests import the module) and a `main(argv)`; only the
+chosen module is imported, so flag names never collide.
 
 Second runs start fast: JAX's persistent compilation cache is on for every sub-command. Every
 compiled program (however small: the thresholds are off, so CPU programs are cached too) is
@@ -23,7 +24,7 @@ from absl import app, flags
 
 COMMANDS = ("judge", "generate", "bench", "convert", "train_tiny", "gpu_check", "aot", "speed",
             "mesh", "serve", "serve_bench", "draft_vocab", "draft_vocab_sweep", "clock_check",
-            "cpu_flags", "loop_check", "ttft_check")
+            "cpu_flags", "loop_check", "ttft_check", "llama_cpp")
 DEFAULT = "judge"
 CACHE_OFF_BY_DEFAULT = ("aot",)   # it measures compile time
 CACHE_ENV = "MTPJAX_COMPILATION_CACHE_DIR"
@@ -101,6 +102,8 @@ def main_entry():
     cmd, rest = _split(sys.argv)
     quiet_backend_discovery(cmd)
     module = importlib.import_module(f"experiments.{cmd}")
+    if hasattr(module, "define_flags"):      # flags kept out of import time (llama_cpp)
+        module.define_flags()
 
     def main(argv):
         enabled = FLAGS.compilation_cache
