@@ -128,9 +128,10 @@ def test_adaptive_engine_equals_plain_and_warmup_compiles_every_depth(plain):
     # depths 0..K x lane buckets 1, 2, 4; depths 0..K with a prefill chunk riding (one
     # program per depth and ride bucket, over every lane slot); a prefill per chunk bucket;
     # lane move; snapshots
-    # packed prefill: the mixed and prefill programs again, at prefill_rows rows
-    assert n == ((K + 1) * 3 + ((K + 1) * len(e.ride_buckets) + len(e.chunk_buckets))
-                 * (1 + (e.prefill_rows > 1)) + 1 + 2 * (e.prefix is not None))
+    # packed prefill: the mixed programs again at prefill_rows rows, and one prefill
+    assert n == ((K + 1) * 3 + (K + 1) * len(e.ride_buckets) + len(e.chunk_buckets) + 1
+                 + 2 * (e.prefix is not None) + ((K + 1) * len(e.ride_buckets) + 1)
+                 * (e.prefill_rows > 1))
     assert e.warmup() == 0
     for ref, sp in ((greedy, GREEDY), (sampled, SAMPLED)):
         for a, b in zip(ref, e.generate(PROMPTS, sp)):

@@ -146,8 +146,8 @@ ride_buckets: the padded lengths of a chunk riding in a decode step, one program
   cost a compute-bound pass (a 512-token chunk at 27B: ~35 ms instead of ~2 ms).
 prefill_rows: packed prefill: up to this many lanes' prefill chunks ride in one step
   (default min(4, max_lanes); 1: one chunk a step), oldest first. Several chunks run as
-  prefill_rows rows of the longest one's bucket: one more program per ride bucket and
-  mixed depth, and per chunk bucket. When several conversations start a turn together,
+  prefill_rows rows of the longest one's ride bucket (of prefill_chunk when no lane
+  decodes): one more program per ride bucket and mixed depth, and one prefill program. When several conversations start a turn together,
   their prompts are prefilled side by side instead of one per step (time to first token),
   at the cost of one heavier step for the lanes decoding beside them.
 depth0_fills_mtp_kv: a depth-0 step of a K > 0 engine writes the MTP KV of the pair it

@@ -73,12 +73,15 @@ class StepShapes:
 
     def ride(self, lens: Sequence[int], rides: bool) -> tuple[int, int]:
         """(rows, T) of the program carrying chunks of these lengths: one chunk, one row of
-        its bucket; several (packed prefill), prefill_rows rows of the longest one's bucket.
-        Two row counts only (1 and prefill_rows), so packing adds one program per ride bucket
-        and mixed depth, and one per chunk bucket (the mappings budget), and a packed step
-        costs the rows x bucket tokens it pads to, never more."""
-        T = self.chunk_bucket(max(lens), rides)
-        return (self.prefill_rows if len(lens) > 1 else 1), T
+        its bucket; several (packed prefill), prefill_rows rows of the longest one's ride
+        bucket beside decoding lanes, of prefill_chunk alone (no lane decodes: a burst's
+        first chunks, full ones). Two row counts only (1 and prefill_rows), so packing adds
+        one program per ride bucket and mixed depth, and one prefill program (the mappings
+        budget)."""
+        if len(lens) == 1:
+            return 1, self.chunk_bucket(lens[0], rides)
+        return self.prefill_rows, (self.chunk_bucket(max(lens), True) if rides
+                                   else self.prefill_chunk)
 
     @classmethod
     def build(cls, *, num_draft_slots: int, max_lanes: int, lane_slots: int | None,

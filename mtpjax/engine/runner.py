@@ -561,7 +561,7 @@ class ModelRunner:
             R = s.prefill_rows
             keys += [("mixed", d, s.lane_slots, T, R) for T in s.ride_buckets for d in depths
                      if d <= s.mixed_max_depth]
-            keys += [("prefill", T, R) for T in s.chunk_buckets]
+            keys.append(("prefill", s.prefill_chunk, R))
         if s.max_lanes > 1:
             keys.append(("move_lane",))
         if self.snapshot_slots is not None:
