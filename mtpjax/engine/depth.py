@@ -54,6 +54,8 @@ from __future__ import annotations
 import collections
 import dataclasses
 import statistics
+import time
+from typing import Callable
 
 from mtpjax.engine.scheduler import LaneView, RequestStats, StepView
 
@@ -64,26 +66,55 @@ def context_bucket(context: int, smallest: int = 64) -> int:
 
 
 class StepCosts:
-    """Measured step seconds per (depth, lane bucket, context bucket): low quantiles over a
-    window of recent steps."""
+    """Measured step seconds per (depth, lane bucket, context bucket): a quantile (`quantile`:
+    0.25, the lower quartile, by default) over a window of recent steps, cached until the
+    cell's next record (the policy reads it every step)."""
 
-    def __init__(self, window: int = 16):
+    def __init__(self, window: int = 16, quantile: float = 0.25):
+        if not 0 <= quantile < 1:
+            raise ValueError(f"StepCosts needs 0 <= quantile < 1, got {quantile}")
         self.window = window
+        self.quantile = quantile
         self._t: dict[tuple[int, int, int], collections.deque] = {}
+        self._q: dict[tuple[int, int, int], float] = {}
 
     def record(self, depth: int, bucket: int, ctx: int, seconds: float) -> None:
-        self._t.setdefault((depth, bucket, ctx), collections.deque(maxlen=self.window)).append(
-            float(seconds))
+        key = (depth, bucket, ctx)
+        self._t.setdefault(key, collections.deque(maxlen=self.window)).append(float(seconds))
+        self._q.pop(key, None)
 
     def count(self, depth: int, bucket: int, ctx: int) -> int:
         return len(self._t.get((depth, bucket, ctx), ()))
 
     def measured(self, depth: int, bucket: int, ctx: int) -> float | None:
-        """The lower quartile of the window: what the step costs when nothing else gets in
-        its way (a shared host, a GC pause or a concurrent compile only ever add time, so a
-        median lets such noise pick the depth)."""
-        t = self._t.get((depth, bucket, ctx))
-        return sorted(t)[len(t) // 4] if t else None
+        """The window's `quantile`. The lower quartile (default) is what a program costs when
+        nothing else gets in its way (a shared host, a GC pause or a concurrent compile only
+        ever add time, so a median lets such noise pick the depth); AdaptiveDepth's wall
+        cadence uses the median (what a step costs the run, its host work included)."""
+        st = self._stats(depth, bucket, ctx)
+        return None if st is None else st[0]
+
+    def _stats(self, depth: int, bucket: int, ctx: int) -> tuple[float, float] | None:
+        """(the window's quantile, its relative spread: (q75 - q25) / median / 1.35, a normal
+        distribution's sigma over its mean; 0 below 4 samples), cached until a record."""
+        key = (depth, bucket, ctx)
+        st = self._q.get(key)
+        if st is None:
+            t = self._t.get(key)
+            if not t:
+                return None
+            ts = sorted(t)
+            n = len(ts)
+            med = ts[n // 2]
+            spread = ((ts[(3 * n) // 4] - ts[n // 4]) / med / 1.35 if n >= 4 and med > 0
+                      else 0.0)
+            st = self._q[key] = (ts[int(n * self.quantile)], spread)
+        return st
+
+    def spread(self, bucket: int, ctx: int, K: int) -> float:
+        """The cell's relative step-time noise: the largest spread of its measured depths."""
+        return max((st[1] for d in range(K + 1)
+                    if (st := self._stats(d, bucket, ctx)) is not None), default=0.0)
 
     def cells(self) -> set[tuple[int, int]]:
         return {(b, c) for _, b, c in self._t}
@@ -174,23 +205,56 @@ class AdaptiveDepth:
                                   # clock prices but the engine does not run (a long context
                                   # on the H200 clock, cost_model.VirtualClock): cells follow
                                   # the priced context
+    confidence: float = 1.5       # a switch to a deeper depth needs a gain above hysteresis
+                                  # + confidence x the relative noise of the two costs
+                                  # (StepCosts.spread, over their sample counts): on a loaded
+                                  # host a lucky sample of a deeper step must not win
+    refresh_max: int = 800        # a refresh that leaves the best depth as it was doubles
+                                  # the cell's refresh interval, up to this many visits
+    cadence: Callable[[], float] | None = None
+                                  # a wall clock (seconds): a step's cost is then the time
+                                  # on it between the results of consecutive decode steps
+                                  # (its share of the run's wall time: host work and its
+                                  # contention with the device included), the window's
+                                  # median; None: the seconds the engine reports (its
+                                  # program's time, or a VirtualClock's price), the lower
+                                  # quartile. The Engine sets it (engine_clock) when it
+                                  # runs on wall time.
 
     def __post_init__(self):
         if self.prior_strength <= 0 or not 0 < self.decay <= 1 or self.window < 1:
             raise ValueError("AdaptiveDepth needs prior_strength > 0, 0 < decay <= 1, "
                              f"window >= 1; got {self}")
         if (self.explore < 0 or self.refresh < 1 or self.hysteresis < 0 or self.min_context < 1
-                or self.context_offset < 0):
+                or self.context_offset < 0 or self.refresh_max < self.refresh
+                or self.confidence < 0):
             raise ValueError("AdaptiveDepth needs explore >= 0, refresh >= 1, "
-                             f"hysteresis >= 0, min_context >= 1, context_offset >= 0; "
-                             f"got {self}")
-        self.costs = StepCosts(self.window)
-        self.mixed_costs = StepCosts(self.window)   # steps carrying a chunk, by chunk bucket
+                             f"hysteresis >= 0, min_context >= 1, context_offset >= 0, "
+                             f"refresh_max >= refresh, confidence >= 0; got {self}")
+        self._new_tables()
         self.pooled: PooledAcceptance | None = None
         self.visits: collections.Counter = collections.Counter()
         self.chosen: collections.Counter = collections.Counter()
         self.last = None
         self.last_mixed = None
+        self.gap: dict = {}            # per cell: visits between refreshes (refresh.. max)
+        self.since: collections.Counter = collections.Counter()   # visits since a refresh
+        self.refreshes: collections.Counter = collections.Counter()
+        self.best_at: dict = {}        # per cell: the best depth when it last refreshed
+        self._prev = None              # cadence: (scheduler step, time) of the last result
+
+    def _new_tables(self) -> None:
+        q = 0.25 if self.cadence is None else 0.5
+        self.costs = StepCosts(self.window, q)
+        self.mixed_costs = StepCosts(self.window, q)   # steps carrying a chunk, by chunk bucket
+
+    def engine_clock(self, clock) -> None:
+        """Called by the Engine with its VirtualClock (None: wall time). On wall time the
+        policy times steps by their cadence (the `cadence` field) unless it was given a
+        clock already; with a VirtualClock it uses the modelled seconds the engine reports."""
+        if clock is None and self.cadence is None:
+            self.cadence = time.perf_counter
+            self._new_tables()
 
     def _context(self, view: StepView) -> int:
         """The step's context bucket: its deepest lane's context, plus context_offset."""
@@ -275,9 +339,15 @@ class AdaptiveDepth:
         best = max(range(top + 1), key=lambda d: (score[d], -d))
         last = self.last_mixed if mixed else self.last
         last = last if last is not None and last <= top else None
-        margin = self.hysteresis * abs(score[last]) if last is not None else 0.0
-        if last is not None and score[best] <= score[last] + margin:
-            best = last
+        if last is not None:
+            rel = self.hysteresis
+            if best > last and self.confidence > 0:
+                where = cell[1:] if mixed else cell
+                n = lambda d: max(costs.count(d, *where), 1)
+                rel += (self.confidence * costs.spread(*where, top)
+                        * (1 / n(best) + 1 / n(last)) ** 0.5)
+            if score[best] <= score[last] + rel * abs(score[last]):
+                best = last
         pick = self._explore(best, top, costs, cell)
         if mixed:
             self.last_mixed = best
@@ -295,18 +365,40 @@ class AdaptiveDepth:
         for d in cand:
             if costs.count(d, *where) < self.explore:
                 return d
-        if cand and self.visits[cell] % self.refresh == 0:
-            return cand[(self.visits[cell] // self.refresh) % len(cand)]
-        return best
+        if not cand:
+            return best
+        self.since[cell] += 1
+        gap = self.gap.get(cell, self.refresh)
+        if self.since[cell] < gap:
+            return best
+        # a refresh: when the best depth is the one the last refresh saw, the neighbours
+        # were measured worse once more, so the next refresh waits twice as long (a
+        # refresh step at a worse depth is pure cost; at one lane on a 2-core CPU a depth-1
+        # step costs ~1.9x a depth-0 one)
+        stable = self.best_at.get(cell) == best
+        self.gap[cell] = min(2 * gap, self.refresh_max) if stable else self.refresh
+        self.best_at[cell] = best
+        self.since[cell] = 0
+        self.refreshes[cell] += 1
+        return cand[(self.refreshes[cell] - 1) % len(cand)]
 
     def observe(self, view: StepView, depth: int, seconds: float, accepted, compiled: bool):
         """What the engine measured for the step it ran with `view`: its depth, seconds on the
         engine's clock (wall, or modelled with a VirtualClock), the lanes' accepted drafts
         (in view.lanes order) and whether the call compiled (its seconds are then no step
         cost)."""
-        if not compiled and view.chunk > 0:
+        if self.cadence is not None:
+            # the step's share of the wall time: from the previous decode step's result to
+            # this one's, when it came right after it (no prefill-only iteration, new
+            # session or idle time in between); else no sample
+            now, prev = self.cadence(), self._prev
+            self._prev = (view.step, now)
+            seconds = now - prev[1] if prev is not None and view.step == prev[0] + 1 else None
+        if seconds is None or compiled:
+            pass
+        elif view.chunk > 0:
             self.mixed_costs.record(depth, *self._mixed_cell(view), seconds)
-        elif not compiled:
+        else:
             self.costs.record(depth, view.bucket, self._context(view),
                               seconds)
         pool = self._pool(view.K)

@@ -82,6 +82,8 @@ class Engine:
             if slots < 1:
                 raise ValueError(f"prefix_snapshots must be >= 1, got {slots}")
         policy = make_policy(speculation_policy)
+        if hasattr(policy, "engine_clock"):   # AdaptiveDepth: wall steps are priced by cadence
+            policy.engine_clock(clock)
         dtype = params.embed.dtype
         self.core = EngineCore(
             shapes, eos=tuple(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids),
