@@ -205,7 +205,7 @@ class AdaptiveDepth:
                                   # clock prices but the engine does not run (a long context
                                   # on the H200 clock, cost_model.VirtualClock): cells follow
                                   # the priced context
-    confidence: float = 1.5       # a switch to a deeper depth needs a gain above hysteresis
+    confidence: float = 2.5       # a switch to a deeper depth needs a gain above hysteresis
                                   # + confidence x the relative noise of the two costs
                                   # (StepCosts.spread, over their sample counts): on a loaded
                                   # host a lucky sample of a deeper step must not win
@@ -339,16 +339,13 @@ class AdaptiveDepth:
         best = max(range(top + 1), key=lambda d: (score[d], -d))
         last = self.last_mixed if mixed else self.last
         last = last if last is not None and last <= top else None
+        where = cell[1:] if mixed else cell
+        noise = self._noise(costs, where, top)
         if last is not None:
-            rel = self.hysteresis
-            if best > last and self.confidence > 0:
-                where = cell[1:] if mixed else cell
-                n = lambda d: max(costs.count(d, *where), 1)
-                rel += (self.confidence * costs.spread(*where, top)
-                        * (1 / n(best) + 1 / n(last)) ** 0.5)
+            rel = self.hysteresis + (noise(best, last) if best > last else 0.0)
             if score[best] <= score[last] + rel * abs(score[last]):
                 best = last
-        pick = self._explore(best, top, costs, cell)
+        pick = self._explore(best, top, costs, cell, score, noise)
         if mixed:
             self.last_mixed = best
         else:
@@ -356,10 +353,20 @@ class AdaptiveDepth:
         self.chosen[pick] += 1
         return pick
 
-    def _explore(self, best: int, top: int, costs: StepCosts, cell) -> int:
+    def _noise(self, costs: StepCosts, where, top: int):
+        """noise(a, b): confidence x the cell's relative step-time spread over the sample
+        counts of depths a and b: the relative gain a switch between them needs on top of
+        hysteresis before it is believed (0 with a noise-free clock)."""
+        spread = self.confidence * costs.spread(*where, top)
+        n = lambda d: max(costs.count(d, *where), 1)
+        return lambda a, b: spread * (1 / n(a) + 1 / n(b)) ** 0.5 if spread else 0.0
+
+    def _explore(self, best: int, top: int, costs: StepCosts, cell, score=None,
+                 noise=None) -> int:
         """The neighbours of the best depth, and depth 0 (the fallback that must be known: a
         line through noisy deeper samples can hide how cheap it is), get `explore` samples in
-        each cell first, then one every `refresh` visits in turn."""
+        each cell first, then one every `refresh` visits in turn; the interval doubles (up
+        to refresh_max) while every neighbour scores clearly below the best depth."""
         where = cell[1:] if cell[0] == "mixed" else cell
         cand = [d for d in dict.fromkeys((best + 1, best - 1, 0)) if 0 <= d <= top and d != best]
         for d in cand:
@@ -371,11 +378,15 @@ class AdaptiveDepth:
         gap = self.gap.get(cell, self.refresh)
         if self.since[cell] < gap:
             return best
-        # a refresh: when the best depth is the one the last refresh saw, the neighbours
-        # were measured worse once more, so the next refresh waits twice as long (a
-        # refresh step at a worse depth is pure cost; at one lane on a 2-core CPU a depth-1
-        # step costs ~1.9x a depth-0 one)
-        stable = self.best_at.get(cell) == best
+        # a refresh: when the best depth is the one the last refresh saw and every
+        # neighbour scores below it by more than hysteresis and the noise, the next refresh
+        # waits twice as long (a refresh step at a worse depth is pure cost; at one lane on
+        # a 2-core CPU a depth-1 step costs ~1.9x a depth-0 one); a close call keeps the
+        # base interval
+        clear = score is None or all(
+            score[d] < score[best] - (self.hysteresis + (noise(d, best) if noise else 0.0))
+            * abs(score[best]) for d in cand)
+        stable = self.best_at.get(cell) == best and clear
         self.gap[cell] = min(2 * gap, self.refresh_max) if stable else self.refresh
         self.best_at[cell] = best
         self.since[cell] = 0
