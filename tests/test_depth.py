@@ -619,3 +619,37 @@ def test_refreshes_back_off_while_the_best_depth_holds():
     assert off(fixed) >= 50 and off(settled) <= 12, (off(fixed), off(settled))
     with pytest.raises(ValueError, match="refresh_max >= refresh"):
         AdaptiveDepth(refresh=50, refresh_max=10)
+
+
+def test_refresh_bursts_measure_a_depth_as_it_runs():
+    """A step's wall interval holds the host work of the step before it (committing its
+    tokens, the callbacks): 0.5 s per token here, so an isolated depth-1 step among depth-0
+    ones costs 2.2 + 0.5 (1.9 / 2.7 = 0.70 tokens/s: better than depth 0's 1 / 1.5 = 0.67)
+    while depth 1 run in a row costs 2.2 + 0.95 (0.60: 10% worse). Refreshes run `burst`
+    steps in a row and a step after another depth is no sample, so the policy sees the
+    run's costs and stays at depth 0; with one-step refreshes it sampled the isolated step
+    and ran depth 1."""
+    accept = [0.9, 0.2, 0.1]
+    e = [1.0, 1.9, 2.08, 2.098]
+    base = [1.0, 2.2, 3.4, 4.6]
+    clock = _FakeWall()
+    pol = AdaptiveDepth(cadence=clock)
+    stats = RequestStats.for_depth(K)
+    rng = random.Random(0)
+    picks, prev = [], 0
+    for i in range(1500):
+        view = StepView(K, K, (LaneView(0, 100, K, stats),), 1, i)
+        d = pol(view)
+        n = 0
+        while n < d and rng.random() < accept[n]:
+            n += 1
+        for j in range(min(d, n + 1)):
+            stats.tried_per_position[j] += 1
+            stats.accepted_per_position[j] += j < n
+        clock.t += base[d] + 0.5 * e[prev]
+        pol.observe(view, d, base[d], [n], False)
+        picks.append(d)
+        prev = d
+    assert picks[300:].count(0) >= 0.97 * len(picks[300:]), collections_count(picks[300:])
+    costs = pol.report()["costs_ms"]
+    assert costs["d1/b1/c256"] == pytest.approx(1e3 * (2.2 + 0.5 * 1.9), rel=0.2), costs

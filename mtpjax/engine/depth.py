@@ -209,6 +209,13 @@ class AdaptiveDepth:
                                   # + confidence x the relative noise of the two costs
                                   # (StepCosts.spread, over their sample counts): on a loaded
                                   # host a lucky sample of a deeper step must not win
+    burst: int = 3                # on wall time (cadence) a refresh runs its depth this
+                                  # many steps in a row, and a step right after one of
+                                  # another depth is no sample: its interval holds the other
+                                  # depth's host work (commit, callbacks), so an isolated
+                                  # deep step among shallow ones looks cheaper, and an
+                                  # isolated depth-0 step among deep ones dearer, than
+                                  # either runs; the burst's later steps are what it costs
     refresh_max: int = 800        # a refresh that leaves the best depth as it was doubles
                                   # the cell's refresh interval, up to this many visits
     cadence: Callable[[], float] | None = None
@@ -227,10 +234,11 @@ class AdaptiveDepth:
                              f"window >= 1; got {self}")
         if (self.explore < 0 or self.refresh < 1 or self.hysteresis < 0 or self.min_context < 1
                 or self.context_offset < 0 or self.refresh_max < self.refresh
-                or self.confidence < 0):
+                or self.confidence < 0 or self.burst < 1):
             raise ValueError("AdaptiveDepth needs explore >= 0, refresh >= 1, "
                              f"hysteresis >= 0, min_context >= 1, context_offset >= 0, "
-                             f"refresh_max >= refresh, confidence >= 0; got {self}")
+                             f"refresh_max >= refresh, confidence >= 0, burst >= 1; "
+                             f"got {self}")
         self._new_tables()
         self.pooled: PooledAcceptance | None = None
         self.visits: collections.Counter = collections.Counter()
@@ -240,6 +248,7 @@ class AdaptiveDepth:
         self.gap: dict = {}            # per cell: visits between refreshes (refresh.. max)
         self.since: collections.Counter = collections.Counter()   # visits since a refresh
         self.refreshes: collections.Counter = collections.Counter()
+        self.bursts: dict = {}         # per cell: [depth, steps left] of a running refresh
         self.best_at: dict = {}        # per cell: the best depth when it last refreshed
         self._prev = None              # cadence: (scheduler step, time) of the last result
 
@@ -368,6 +377,10 @@ class AdaptiveDepth:
         each cell first, then one every `refresh` visits in turn; the interval doubles (up
         to refresh_max) while every neighbour scores clearly below the best depth."""
         where = cell[1:] if cell[0] == "mixed" else cell
+        run = self.bursts.get(cell)
+        if run is not None and run[1] > 0 and run[0] <= top:
+            run[1] -= 1
+            return run[0]
         cand = [d for d in dict.fromkeys((best + 1, best - 1, 0)) if 0 <= d <= top and d != best]
         for d in cand:
             if costs.count(d, *where) < self.explore:
@@ -391,7 +404,9 @@ class AdaptiveDepth:
         self.best_at[cell] = best
         self.since[cell] = 0
         self.refreshes[cell] += 1
-        return cand[(self.refreshes[cell] - 1) % len(cand)]
+        pick = cand[(self.refreshes[cell] - 1) % len(cand)]
+        self.bursts[cell] = [pick, (self.burst if self.cadence is not None else 1) - 1]
+        return pick
 
     def observe(self, view: StepView, depth: int, seconds: float, accepted, compiled: bool):
         """What the engine measured for the step it ran with `view`: its depth, seconds on the
@@ -402,9 +417,11 @@ class AdaptiveDepth:
             # the step's share of the wall time: from the previous decode step's result to
             # this one's, when it came right after it (no prefill-only iteration, new
             # session or idle time in between); else no sample
+            # and at the same depth (see `burst`)
             now, prev = self.cadence(), self._prev
-            self._prev = (view.step, now)
-            seconds = now - prev[1] if prev is not None and view.step == prev[0] + 1 else None
+            self._prev = (view.step, now, depth)
+            seconds = (now - prev[1] if prev is not None and view.step == prev[0] + 1
+                       and prev[2] == depth else None)
         if seconds is None or compiled:
             pass
         elif view.chunk > 0:
