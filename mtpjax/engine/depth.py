@@ -209,7 +209,7 @@ class AdaptiveDepth:
                                   # + confidence x the relative noise of the two costs
                                   # (StepCosts.spread, over their sample counts): on a loaded
                                   # host a lucky sample of a deeper step must not win
-    burst: int = 3                # on wall time (cadence) a refresh runs its depth this
+    burst: int = 2                # on wall time (cadence) a refresh runs its depth this
                                   # many steps in a row, and a step right after one of
                                   # another depth is no sample: its interval holds the other
                                   # depth's host work (commit, callbacks), so an isolated
@@ -354,7 +354,7 @@ class AdaptiveDepth:
             rel = self.hysteresis + (noise(best, last) if best > last else 0.0)
             if score[best] <= score[last] + rel * abs(score[last]):
                 best = last
-        pick = self._explore(best, top, costs, cell, score, noise)
+        pick = self._explore(best, top, costs, cell, score)
         if mixed:
             self.last_mixed = best
         else:
@@ -370,8 +370,7 @@ class AdaptiveDepth:
         n = lambda d: max(costs.count(d, *where), 1)
         return lambda a, b: spread * (1 / n(a) + 1 / n(b)) ** 0.5 if spread else 0.0
 
-    def _explore(self, best: int, top: int, costs: StepCosts, cell, score=None,
-                 noise=None) -> int:
+    def _explore(self, best: int, top: int, costs: StepCosts, cell, score=None) -> int:
         """The neighbours of the best depth, and depth 0 (the fallback that must be known: a
         line through noisy deeper samples can hide how cheap it is), get `explore` samples in
         each cell first, then one every `refresh` visits in turn; the interval doubles (up
@@ -392,13 +391,11 @@ class AdaptiveDepth:
         if self.since[cell] < gap:
             return best
         # a refresh: when the best depth is the one the last refresh saw and every
-        # neighbour scores below it by more than hysteresis and the noise, the next refresh
-        # waits twice as long (a refresh step at a worse depth is pure cost; at one lane on
-        # a 2-core CPU a depth-1 step costs ~1.9x a depth-0 one); a close call keeps the
-        # base interval
+        # neighbour scores below it by more than hysteresis, the next refresh waits twice as
+        # long (a refresh step at a worse depth is pure cost; at one lane on a 2-core CPU a
+        # depth-1 step costs ~1.9x a depth-0 one); a close call keeps the base interval
         clear = score is None or all(
-            score[d] < score[best] - (self.hysteresis + (noise(d, best) if noise else 0.0))
-            * abs(score[best]) for d in cand)
+            score[d] < score[best] - self.hysteresis * abs(score[best]) for d in cand)
         stable = self.best_at.get(cell) == best and clear
         self.gap[cell] = min(2 * gap, self.refresh_max) if stable else self.refresh
         self.best_at[cell] = best
