@@ -22,15 +22,28 @@ and what it earns depends on the request. So both are measured while the engine 
   while time is that of Qwen3.5-27B on an H200) the engine reports each step's modelled
   seconds instead, no call excluded (a price never includes a compile), so the policy
   chooses the depths it would choose on the modelled device, where a depth-1 step costs a
-  few percent more than depth 0 at one lane, not what this machine's programs cost. A depth not measured yet in a cell is interpolated along the depth axis of
+  few percent more than depth 0 at one lane, not what this machine's programs cost.
+  On wall time (no clock: the Engine sets `cadence`) a step's cost is instead its cadence:
+  the wall seconds from the previous decode step's result to its own, when the two are
+  consecutive iterations at the same depth, and the median of the window. In the
+  overlapped loop the host (planning, committing, the caller's callbacks) shares a 2-core
+  CPU with the step programs, so a program's own time, and its lower quartile above all,
+  said deep steps were cheaper than the run found them; the cadence is the step's share of
+  the run's wall time (the judge's tokens per second). A depth not measured yet in a cell is interpolated along the depth axis of
   the cell (a line through its measured depths, slope >= 0), or scaled from the relative
   slope seen in other cells, or borrowed from the nearest cell; nothing measured: equal costs.
 - Exploration is local: until both neighbours (best - 1, best + 1) of the current best depth
   and depth 0 have `explore` measurements in the cell the step runs one of them instead;
   afterwards every `refresh`-th visit of the cell re-measures one (costs drift with the
   context). Depth 0 is always among them: it is the fallback when drafts stop landing, and a
-  line fitted through noisy deeper samples must not hide what it costs. A switch needs a
-  `hysteresis` gain, so noise does not make the depth flap.
+  line fitted through noisy deeper samples must not hide what it costs. Each refresh that
+  finds every neighbour worse than the best by `hysteresis` doubles the cell's interval (up
+  to `refresh_max` visits): a refresh at a worse depth is pure cost. On wall time a refresh
+  runs `burst` steps in a row (its first step's interval holds the previous depth's host
+  work, so it is no sample). A switch needs a `hysteresis` gain, so noise does not make the
+  depth flap, and a switch to a deeper depth also `confidence` x the measured relative
+  spread of the step times (StepCosts.spread, over the two depths' sample counts), so a
+  lucky sample on a loaded host does not leave the cheap depth.
 
 A step that carries a prefill chunk (view.chunk > 0: one program per iteration, the chunk
 rides in the decode step) is priced apart, per (lane bucket, chunk bucket): its chunk costs
