@@ -222,13 +222,14 @@ class AdaptiveDepth:
                                   # + confidence x the relative noise of the two costs
                                   # (StepCosts.spread, over their sample counts): on a loaded
                                   # host a lucky sample of a deeper step must not win
-    burst: int = 2                # on wall time (cadence) a refresh runs its depth this
-                                  # many steps in a row, and a step right after one of
-                                  # another depth is no sample: its interval holds the other
-                                  # depth's host work (commit, callbacks), so an isolated
-                                  # deep step among shallow ones looks cheaper, and an
-                                  # isolated depth-0 step among deep ones dearer, than
-                                  # either runs; the burst's later steps are what it costs
+    burst: int = 3                # on wall time (cadence) a refresh runs its depth this
+                                  # many steps in a row, and a step next to one of another
+                                  # depth (before or after it) is no sample: its interval
+                                  # holds the other depth's host work (committing the one
+                                  # before, planning and launching the one after), so an
+                                  # isolated deep step among shallow ones looks cheaper,
+                                  # and an isolated depth-0 step among deep ones dearer,
+                                  # than either runs; the burst's middle is what it costs
     refresh_max: int = 800        # a refresh that leaves the best depth as it was doubles
                                   # the cell's refresh interval, up to this many visits
     cadence: Callable[[], float] | None = None
@@ -263,7 +264,8 @@ class AdaptiveDepth:
         self.refreshes: collections.Counter = collections.Counter()
         self.bursts: dict = {}         # per cell: [depth, steps left] of a running refresh
         self.best_at: dict = {}        # per cell: the best depth when it last refreshed
-        self._prev = None              # cadence: (scheduler step, time) of the last result
+        self._prev = None              # cadence: (scheduler step, time, depth) of the last result
+        self._picked = None            # the depth of the last step planned
 
     def _new_tables(self) -> None:
         q = 0.25 if self.cadence is None else 0.5
@@ -373,6 +375,7 @@ class AdaptiveDepth:
         else:
             self.last = best
         self.chosen[pick] += 1
+        self._picked = pick
         return pick
 
     def _noise(self, costs: StepCosts, where, top: int):
@@ -430,8 +433,10 @@ class AdaptiveDepth:
             # and at the same depth (see `burst`)
             now, prev = self.cadence(), self._prev
             self._prev = (view.step, now, depth)
+            # (the overlapped loop planned the next step before this one's result: its
+            # launch is in the interval too, so it must be at this depth as well)
             seconds = (now - prev[1] if prev is not None and view.step == prev[0] + 1
-                       and prev[2] == depth else None)
+                       and prev[2] == depth and self._picked in (None, depth) else None)
         if seconds is None or compiled:
             pass
         elif view.chunk > 0:
