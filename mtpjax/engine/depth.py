@@ -365,8 +365,11 @@ class AdaptiveDepth:
         last = last if last is not None and last <= top else None
         where = cell[1:] if mixed else cell
         noise = self._noise(costs, where, top)
-        if last is not None:
-            rel = self.hysteresis + (noise(best, last) if best > last else 0.0)
+        if last is not None and best > last:
+            # deeper needs a gain above hysteresis and the noise; shallower needs none (a
+            # tie goes to the cheaper step, the stock step at depth 0, and one direction
+            # being hard is what keeps noise from making the depth flap)
+            rel = self.hysteresis + noise(best, last)
             if score[best] <= score[last] + rel * abs(score[last]):
                 best = last
         pick = self._explore(best, top, costs, cell, score)
