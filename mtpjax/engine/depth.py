@@ -372,7 +372,7 @@ class AdaptiveDepth:
             rel = self.hysteresis + noise(best, last)
             if score[best] <= score[last] + rel * abs(score[last]):
                 best = last
-        pick = self._explore(best, top, costs, cell, score)
+        pick = self._explore(best, top, costs, cell, score, noise)
         if mixed:
             self.last_mixed = best
         else:
@@ -389,7 +389,8 @@ class AdaptiveDepth:
         n = lambda d: max(costs.count(d, *where), 1)
         return lambda a, b: spread * (1 / n(a) + 1 / n(b)) ** 0.5 if spread else 0.0
 
-    def _explore(self, best: int, top: int, costs: StepCosts, cell, score=None) -> int:
+    def _explore(self, best: int, top: int, costs: StepCosts, cell, score=None,
+                 noise=None) -> int:
         """The neighbours of the best depth, and depth 0 (the fallback that must be known: a
         line through noisy deeper samples can hide how cheap it is), get `explore` samples in
         each cell first, then one every `refresh` visits in turn; the interval doubles (up
@@ -414,7 +415,8 @@ class AdaptiveDepth:
         # long (a refresh step at a worse depth is pure cost; at one lane on a 2-core CPU a
         # depth-1 step costs ~1.9x a depth-0 one); a close call keeps the base interval
         clear = score is None or all(
-            score[d] < score[best] - self.hysteresis * abs(score[best]) for d in cand)
+            score[d] <= score[best] + (self.hysteresis + (noise(d, best) if d > best else 0.0))
+            * abs(score[best]) for d in cand)
         stable = self.best_at.get(cell) == best and clear
         self.gap[cell] = min(2 * gap, self.refresh_max) if stable else self.refresh
         self.best_at[cell] = best
