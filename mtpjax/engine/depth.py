@@ -36,14 +36,15 @@ and what it earns depends on the request. So both are measured while the engine 
   and depth 0 have `explore` measurements in the cell the step runs one of them instead;
   afterwards every `refresh`-th visit of the cell re-measures one (costs drift with the
   context). Depth 0 is always among them: it is the fallback when drafts stop landing, and a
-  line fitted through noisy deeper samples must not hide what it costs. Each refresh that
-  finds every neighbour worse than the best by `hysteresis` doubles the cell's interval (up
-  to `refresh_max` visits): a refresh at a worse depth is pure cost. On wall time a refresh
-  runs `burst` steps in a row (its first step's interval holds the previous depth's host
-  work, so it is no sample). A switch needs a `hysteresis` gain, so noise does not make the
-  depth flap, and a switch to a deeper depth also `confidence` x the measured relative
-  spread of the step times (StepCosts.spread, over the two depths' sample counts), so a
-  lucky sample on a loaded host does not leave the cheap depth.
+  line fitted through noisy deeper samples must not hide what it costs. Each refresh after
+  which no neighbour beats the best by what a switch to it needs doubles the cell's interval
+  (up to `refresh_max` visits): a refresh at a worse depth is pure cost. On wall time a
+  refresh runs `burst` steps in a row and only a step whose neighbours ran its depth is a
+  sample (an interval holds the host work of the steps around it). A switch to a deeper
+  depth needs a `hysteresis` gain plus `confidence` x the measured relative spread of the
+  step times (StepCosts.spread, over the two depths' sample counts), so a lucky sample on
+  a loaded host does not leave the cheap depth; a switch to a shallower one needs no gain
+  (one hard direction is what keeps noise from making the depth flap).
 
 A step that carries a prefill chunk (view.chunk > 0: one program per iteration, the chunk
 rides in the decode step) is priced apart, per (lane bucket, chunk bucket): its chunk costs
@@ -230,7 +231,7 @@ class AdaptiveDepth:
                                   # isolated deep step among shallow ones looks cheaper,
                                   # and an isolated depth-0 step among deep ones dearer,
                                   # than either runs; the burst's middle is what it costs
-    refresh_max: int = 800        # a refresh that leaves the best depth as it was doubles
+    refresh_max: int = 800        # a refresh after which no neighbour could win doubles
                                   # the cell's refresh interval, up to this many visits
     cadence: Callable[[], float] | None = None
                                   # a wall clock (seconds): a step's cost is then the time
@@ -393,8 +394,9 @@ class AdaptiveDepth:
                  noise=None) -> int:
         """The neighbours of the best depth, and depth 0 (the fallback that must be known: a
         line through noisy deeper samples can hide how cheap it is), get `explore` samples in
-        each cell first, then one every `refresh` visits in turn; the interval doubles (up
-        to refresh_max) while every neighbour scores clearly below the best depth."""
+        each cell first, then one every `refresh` visits in turn (bursts of `burst` steps on
+        wall time); the interval doubles (up to refresh_max) while no neighbour beats the
+        best depth by what a switch to it needs."""
         where = cell[1:] if cell[0] == "mixed" else cell
         run = self.bursts.get(cell)
         if run is not None and run[1] > 0 and run[0] <= top:
