@@ -544,12 +544,13 @@ def test_cadence_samples_only_consecutive_decode_steps():
 
 
 def test_engine_tells_the_policy_its_clock():
-    """Wall time: the policy prices steps by their cadence (time.perf_counter); with a
-    VirtualClock it keeps the modelled seconds the engine reports, and a cadence given by
-    the caller is kept."""
-    import time
-    assert _engine(K, "adaptive").policy.cadence is time.perf_counter
-    assert _engine(K, "adaptive", clock=VirtualClock(_PricedModel(0.0))).policy.cadence is None
+    """Wall time: the policy's samples are wall seconds (median, steps between steps of
+    their depth); with a VirtualClock it keeps the modelled seconds (lower quartile, every
+    step); a cadence given by the caller is kept."""
+    wall = _engine(K, "adaptive").policy
+    assert wall.wall and wall.cadence is None and wall.costs.quantile == 0.5
+    clocked = _engine(K, "adaptive", clock=VirtualClock(_PricedModel(0.0))).policy
+    assert not clocked.wall and clocked.costs.quantile == 0.25
     own = _FakeWall()
     assert _engine(K, AdaptiveDepth(cadence=own)).policy.cadence is own
 
@@ -621,7 +622,8 @@ def test_refreshes_back_off_while_the_best_depth_holds():
         AdaptiveDepth(refresh=50, refresh_max=10)
 
 
-def test_refresh_bursts_measure_a_depth_as_it_runs():
+@pytest.mark.parametrize("mode", ["wall", "cadence"])
+def test_refresh_bursts_measure_a_depth_as_it_runs(mode):
     """A step's wall interval holds the host work of the step before it (committing its
     tokens, the callbacks): 0.5 s per token here, so an isolated depth-1 step among depth-0
     ones costs 2.2 + 0.5 (1.9 / 2.7 = 0.70 tokens/s: better than depth 0's 1 / 1.5 = 0.67)
@@ -633,7 +635,9 @@ def test_refresh_bursts_measure_a_depth_as_it_runs():
     e = [1.0, 1.9, 2.08, 2.098]
     base = [1.0, 2.2, 3.4, 4.6]
     clock = _FakeWall()
-    pol = AdaptiveDepth(cadence=clock)
+    # wall: the engine's seconds are wall seconds (Engine.engine_clock(None)); cadence: the
+    # policy reads the wall clock itself
+    pol = AdaptiveDepth(wall=True) if mode == "wall" else AdaptiveDepth(cadence=clock)
     stats = RequestStats.for_depth(K)
     rng = random.Random(0)
     picks, prev = [], 0
@@ -647,7 +651,7 @@ def test_refresh_bursts_measure_a_depth_as_it_runs():
             stats.tried_per_position[j] += 1
             stats.accepted_per_position[j] += j < n
         clock.t += base[d] + 0.5 * e[prev]
-        pol.observe(view, d, base[d], [n], False)
+        pol.observe(view, d, base[d] + 0.5 * e[prev], [n], False)
         picks.append(d)
         prev = d
     assert picks[300:].count(0) >= 0.97 * len(picks[300:]), collections_count(picks[300:])

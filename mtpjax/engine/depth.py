@@ -23,13 +23,15 @@ and what it earns depends on the request. So both are measured while the engine 
   seconds instead, no call excluded (a price never includes a compile), so the policy
   chooses the depths it would choose on the modelled device, where a depth-1 step costs a
   few percent more than depth 0 at one lane, not what this machine's programs cost.
-  On wall time (no clock: the Engine sets `cadence`) a step's cost is instead its cadence:
-  the wall seconds from the previous decode step's result to its own, when the two are
-  consecutive iterations at the same depth, and the median of the window. In the
-  overlapped loop the host (planning, committing, the caller's callbacks) shares a 2-core
-  CPU with the step programs, so a program's own time, and its lower quartile above all,
-  said deep steps were cheaper than the run found them; the cadence is the step's share of
-  the run's wall time (the judge's tokens per second). A depth not measured yet in a cell is interpolated along the depth axis of
+  On wall time (no clock: the Engine sets `wall`) the cost is the median of the window, and
+  a step is a sample only when the steps before and after it ran its depth in consecutive
+  iterations: in the overlapped loop a program's time starts when the host saw the previous
+  step end (a late look shortens it, and the lower quartile picked exactly those), and the
+  host work of the steps around it (committing, planning, the caller's callbacks) shares a
+  2-core CPU with it, so an isolated step measures its neighbours as much as itself.
+  (`cadence`, a wall clock, prices steps instead by the time between consecutive decode
+  results; on this CPU its depth-0 samples came out inflated, so it is off by default.)
+  A depth not measured yet in a cell is interpolated along the depth axis of
   the cell (a line through its measured depths, slope >= 0), or scaled from the relative
   slope seen in other cells, or borrowed from the nearest cell; nothing measured: equal costs.
 - Exploration is local: until both neighbours (best - 1, best + 1) of the current best depth
@@ -68,7 +70,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import statistics
-import time
 from typing import Callable
 
 from mtpjax.engine.scheduler import LaneView, RequestStats, StepView
@@ -223,7 +224,7 @@ class AdaptiveDepth:
                                   # + confidence x the relative noise of the two costs
                                   # (StepCosts.spread, over their sample counts): on a loaded
                                   # host a lucky sample of a deeper step must not win
-    burst: int = 3                # on wall time (cadence) a refresh runs its depth this
+    burst: int = 3                # on wall time a refresh runs its depth this
                                   # many steps in a row, and a step next to one of another
                                   # depth (before or after it) is no sample: its interval
                                   # holds the other depth's host work (committing the one
@@ -239,9 +240,10 @@ class AdaptiveDepth:
                                   # (its share of the run's wall time: host work and its
                                   # contention with the device included), the window's
                                   # median; None: the seconds the engine reports (its
-                                  # program's time, or a VirtualClock's price), the lower
-                                  # quartile. The Engine sets it (engine_clock) when it
-                                  # runs on wall time.
+                                  # program's time, or a VirtualClock's price)
+    wall: bool = False            # the engine's seconds are wall time (the Engine sets it,
+                                  # engine_clock): median of the window, samples only from
+                                  # steps between steps of their depth, refresh bursts
 
     def __post_init__(self):
         if self.prior_strength <= 0 or not 0 < self.decay <= 1 or self.window < 1:
@@ -269,16 +271,16 @@ class AdaptiveDepth:
         self._picked = None            # the depth of the last step planned
 
     def _new_tables(self) -> None:
-        q = 0.25 if self.cadence is None else 0.5
+        q = 0.5 if self.wall or self.cadence is not None else 0.25
         self.costs = StepCosts(self.window, q)
         self.mixed_costs = StepCosts(self.window, q)   # steps carrying a chunk, by chunk bucket
 
     def engine_clock(self, clock) -> None:
         """Called by the Engine with its VirtualClock (None: wall time). On wall time the
-        policy times steps by their cadence (the `cadence` field) unless it was given a
-        clock already; with a VirtualClock it uses the modelled seconds the engine reports."""
-        if clock is None and self.cadence is None:
-            self.cadence = time.perf_counter
+        policy's samples are wall seconds (`wall`); with a VirtualClock it uses the modelled
+        seconds the engine reports as before (lower quartile, every step a sample)."""
+        if clock is None and not self.wall:
+            self.wall = True
             self._new_tables()
 
     def _context(self, view: StepView) -> int:
@@ -425,7 +427,8 @@ class AdaptiveDepth:
         self.since[cell] = 0
         self.refreshes[cell] += 1
         pick = cand[(self.refreshes[cell] - 1) % len(cand)]
-        self.bursts[cell] = [pick, (self.burst if self.cadence is not None else 1) - 1]
+        on_wall = self.wall or self.cadence is not None
+        self.bursts[cell] = [pick, (self.burst if on_wall else 1) - 1]
         return pick
 
     def observe(self, view: StepView, depth: int, seconds: float, accepted, compiled: bool):
@@ -433,17 +436,19 @@ class AdaptiveDepth:
         engine's clock (wall, or modelled with a VirtualClock), the lanes' accepted drafts
         (in view.lanes order) and whether the call compiled (its seconds are then no step
         cost)."""
-        if self.cadence is not None:
-            # the step's share of the wall time: from the previous decode step's result to
-            # this one's, when it came right after it (no prefill-only iteration, new
-            # session or idle time in between); else no sample
-            # and at the same depth (see `burst`)
-            now, prev = self.cadence(), self._prev
-            self._prev = (view.step, now, depth)
-            # (the overlapped loop planned the next step before this one's result: its
-            # launch is in the interval too, so it must be at this depth as well)
-            seconds = (now - prev[1] if prev is not None and view.step == prev[0] + 1
-                       and prev[2] == depth and self._picked in (None, depth) else None)
+        if self.wall or self.cadence is not None:
+            # a sample only between steps of its depth in consecutive iterations (no
+            # prefill-only iteration, new session or idle time in between; the overlapped
+            # loop planned the next step before this one's result, so that one too, see
+            # `burst`); with `cadence` the sample is the wall time since the previous result
+            now = self.cadence() if self.cadence is not None else 0.0
+            prev, self._prev = self._prev, (view.step, now, depth)
+            ok = (prev is not None and view.step == prev[0] + 1 and prev[2] == depth
+                  and self._picked in (None, depth))
+            if self.cadence is not None:
+                seconds = now - prev[1] if ok else None
+            elif not ok:
+                seconds = None
         if seconds is None or compiled:
             pass
         elif view.chunk > 0:
