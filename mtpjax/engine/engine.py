@@ -82,7 +82,7 @@ class Engine:
             if slots < 1:
                 raise ValueError(f"prefix_snapshots must be >= 1, got {slots}")
         policy = make_policy(speculation_policy)
-        if hasattr(policy, "engine_clock"):   # AdaptiveDepth: wall steps are priced by cadence
+        if hasattr(policy, "engine_clock"):   # AdaptiveDepth: wall time or a VirtualClock
             policy.engine_clock(clock)
         dtype = params.embed.dtype
         self.core = EngineCore(
