@@ -457,3 +457,205 @@ def test_policy_decides_and_learns_in_the_cell_of_the_program_that_ran(plain):
             assert key == ("decode", depth, bucket) and chunk == 0
         assert seconds == pytest.approx(1e-3 * (1 + 0.5 * depth))
     assert mixed > 0
+
+
+# ------------------------------------------------------- the policy on wall time (cadence)
+
+class _FakeWall:
+    """A wall clock the test advances: the policy's `cadence` reads it."""
+
+    def __init__(self):
+        self.t = 0.0
+
+    def __call__(self):
+        return self.t
+
+
+def _drive_wall(policy, accept, program, wall, steps=600, lanes=8, wall_clock=None,
+                gap_every=0):
+    """_drive on wall time: each step reports program(d, i) seconds (the engine's measure of
+    its program) while the wall clock advances by wall(d, i) (what the step cost the run:
+    host work and contention included). Views carry the scheduler step, so consecutive
+    steps give cadence samples; every gap_every-th iteration is a prefill-only one (no
+    decode step: the next interval is no sample)."""
+    rng = random.Random(0)
+    stats = RequestStats.for_depth(K)
+    picks, step = [], 0
+    for i in range(steps):
+        if gap_every and i % gap_every == 0:
+            step += 1
+            if wall_clock is not None:
+                wall_clock.t += 100.0          # a long prefill: never a decode step's cost
+        view = StepView(K, K, tuple(LaneView(j, 100, K, stats) for j in range(lanes)), lanes,
+                        step)
+        d = policy(view)
+        acc = []
+        for _ in range(lanes):
+            n = 0
+            while n < d and rng.random() < accept[n]:
+                n += 1
+            acc.append(n)
+            for j in range(min(d, n + 1)):
+                stats.tried_per_position[j] += 1
+                stats.accepted_per_position[j] += j < n
+        if wall_clock is not None:
+            wall_clock.t += wall(d, i)
+        policy.observe(view, d, program(d, i), acc, False)
+        picks.append(d)
+        step += 1
+    return picks
+
+
+def test_wall_cadence_prices_what_a_step_costs_the_run():
+    """Issue: on this 2-core CPU the overlapped loop's host work competes with the step
+    programs, so a deep step's program time (and its lower quartile above all) says it is
+    cheap while the run slows down. With `cadence` (the Engine sets it on wall time) a step
+    costs the wall time between consecutive decode steps' results, the window's median.
+    Programs: depth d costs 1 + 0.1 d by the program's own (lower-quartile) time; the run
+    pays 1 + d per step. Acceptance 0.9 / 0.1 / 0.1 makes depth 1 worth 1.9 / 1.1 = 1.73x
+    per second by the program times, 1.9 / 2 = 0.95x by the wall: depth 0."""
+    accept = [0.9, 0.1, 0.1]
+    program = lambda d, i: (1.0 + 0.1 * d) * (1.0 if i % 3 else 0.7)   # lucky samples too
+    wall = lambda d, i: 1.0 + 1.0 * d
+    clock = _FakeWall()
+    picks = _drive_wall(AdaptiveDepth(cadence=clock), accept, program, wall, wall_clock=clock,
+                        gap_every=37)
+    assert picks[-200:].count(0) >= 190, picks[-200:]
+    # the same steps timed by the programs alone (no cadence): depth 1 wins, as before
+    picks = _drive_wall(AdaptiveDepth(), accept, lambda d, i: 1.0 + 0.1 * d, wall)
+    assert picks[-200:].count(1) >= 190, picks[-200:]
+    # and the converse: the wall says depth 1 pays (a deep step costs the run little more)
+    # while the programs' lower quartiles say it does not
+    # (rates 1.73 at depth 1, 1.66 at 2 by the wall; 0.63 at depth 1 by the programs)
+    picks = _drive_wall(AdaptiveDepth(cadence=clock), accept,
+                        lambda d, i: 1.0 + 2.0 * d, lambda d, i: 1.0 + 0.1 * d,
+                        wall_clock=clock, gap_every=37)
+    assert picks[-200:].count(1) >= 190, picks[-200:]
+
+
+def test_cadence_samples_only_consecutive_decode_steps():
+    """An interval with a prefill-only iteration (or a new session, idle time) in between
+    is no step's cost: the 100 s prefills of _drive_wall never reach the table."""
+    clock = _FakeWall()
+    pol = AdaptiveDepth(cadence=clock)
+    _drive_wall(pol, [0.0] * K, lambda d, i: 1.0, lambda d, i: 1.0 + d, steps=300,
+                wall_clock=clock, gap_every=5)
+    costs = pol.report()["costs_ms"]
+    assert costs and all(ms == pytest.approx(1e3 * (1 + int(k.split("/")[0][1:])))
+                         for k, ms in costs.items()), costs
+
+
+def test_engine_tells_the_policy_its_clock():
+    """Wall time: the policy's samples are wall seconds (median, steps between steps of
+    their depth); with a VirtualClock it keeps the modelled seconds (lower quartile, every
+    step); a cadence given by the caller is kept."""
+    wall = _engine(K, "adaptive").policy
+    assert wall.wall and wall.cadence is None and wall.costs.quantile == 0.5
+    clocked = _engine(K, "adaptive", clock=VirtualClock(_PricedModel(0.0))).policy
+    assert not clocked.wall and clocked.costs.quantile == 0.25
+    own = _FakeWall()
+    assert _engine(K, AdaptiveDepth(cadence=own)).policy.cadence is own
+
+
+def _noisy(base, spread, seed):
+    """A loaded host: cost(d) = base(d) x a log-uniform factor in [1, spread] (seeded)."""
+    rng = random.Random(seed)
+    return lambda d, i: base(d) * spread ** rng.random()
+
+
+def _efficiency(picks, accept, base):
+    """Expected tokens per second of a depth sequence (noise-free costs base(d)) over that
+    of depth 0 throughout."""
+    e = [1 + sum(np_prod(accept[:j + 1]) for j in range(d)) for d in range(len(accept) + 1)]
+    return sum(e[d] for d in picks) / sum(base(d) for d in picks) * base(0)
+
+
+def np_prod(xs):
+    out = 1.0
+    for x in xs:
+        out *= x
+    return out
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_noisy_host_keeps_depth_zero_where_depth_does_not_pay(seed):
+    """On a loaded host step times vary 3x from step to step; depth 1 is 9% worse per second
+    than depth 0 (1.9 tokens for a 2.1x step; at one lane on this CPU 0.91x). A lucky pair
+    of depth-1 samples set against depth 0's window made the policy switch; a deeper switch
+    now needs a gain above the measured noise: the run keeps >= 97% of depth 0's rate."""
+    clock = _FakeWall()
+    base = lambda d: 1.0 + 1.1 * d
+    cost = _noisy(base, 3.0, seed)
+    picks = _drive_wall(AdaptiveDepth(cadence=clock), [0.9, 0.2, 0.1], cost, cost,
+                        steps=1500, wall_clock=clock, lanes=1)
+    assert _efficiency(picks[200:], [0.9, 0.2, 0.1], base) >= 0.97, \
+        collections_count(picks[200:])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_noisy_host_still_goes_deep_where_depth_pays(seed):
+    """The converse: the same noise, depth 1 worth 1.9 / 1.2 = 1.58x per second: the
+    policy still leaves depth 0 and runs depth 1 (or deeper) nearly always."""
+    clock = _FakeWall()
+    cost = _noisy(lambda d: 1.0 + 0.2 * d, 3.0, seed)
+    picks = _drive_wall(AdaptiveDepth(cadence=clock), [0.9, 0.2, 0.1], cost, cost,
+                        steps=1500, wall_clock=clock, lanes=1)
+    assert sum(d >= 1 for d in picks[300:]) >= 0.9 * len(picks[300:]), \
+        collections_count(picks[300:])
+
+
+def collections_count(picks):
+    import collections
+    return dict(collections.Counter(picks))
+
+
+def test_refreshes_back_off_while_the_best_depth_holds():
+    """After its first measurements a cell re-measures a neighbour every `refresh` visits;
+    each refresh that leaves the best depth as it was doubles the interval (up to
+    refresh_max), so a settled cell spends few steps at worse depths. At one lane on this
+    CPU such a step (depth 1 after depth 0: no drafts to verify) costs ~1.9x for one token."""
+    cost = lambda d: 1.0 + 0.9 * d
+    settled = _drive(AdaptiveDepth(), accept=[0.5, 0.2, 0.1], cost=cost, steps=3000)
+    fixed = _drive(AdaptiveDepth(refresh_max=50), accept=[0.5, 0.2, 0.1], cost=cost,
+                   steps=3000)
+    off = lambda picks: sum(d != 0 for d in picks[100:])
+    assert off(fixed) >= 50 and off(settled) <= 12, (off(fixed), off(settled))
+    with pytest.raises(ValueError, match="refresh_max >= refresh"):
+        AdaptiveDepth(refresh=50, refresh_max=10)
+
+
+@pytest.mark.parametrize("mode", ["wall", "cadence"])
+def test_refresh_bursts_measure_a_depth_as_it_runs(mode):
+    """A step's wall interval holds the host work of the step before it (committing its
+    tokens, the callbacks): 0.5 s per token here, so an isolated depth-1 step among depth-0
+    ones costs 2.2 + 0.5 (1.9 / 2.7 = 0.70 tokens/s: better than depth 0's 1 / 1.5 = 0.67)
+    while depth 1 run in a row costs 2.2 + 0.95 (0.60: 10% worse). Refreshes run `burst`
+    steps in a row and a step after another depth is no sample, so the policy sees the
+    run's costs and stays at depth 0; with one-step refreshes it sampled the isolated step
+    and ran depth 1."""
+    accept = [0.9, 0.2, 0.1]
+    e = [1.0, 1.9, 2.08, 2.098]
+    base = [1.0, 2.2, 3.4, 4.6]
+    clock = _FakeWall()
+    # wall: the engine's seconds are wall seconds (Engine.engine_clock(None)); cadence: the
+    # policy reads the wall clock itself
+    pol = AdaptiveDepth(wall=True) if mode == "wall" else AdaptiveDepth(cadence=clock)
+    stats = RequestStats.for_depth(K)
+    rng = random.Random(0)
+    picks, prev = [], 0
+    for i in range(1500):
+        view = StepView(K, K, (LaneView(0, 100, K, stats),), 1, i)
+        d = pol(view)
+        n = 0
+        while n < d and rng.random() < accept[n]:
+            n += 1
+        for j in range(min(d, n + 1)):
+            stats.tried_per_position[j] += 1
+            stats.accepted_per_position[j] += j < n
+        clock.t += base[d] + 0.5 * e[prev]
+        pol.observe(view, d, base[d] + 0.5 * e[prev], [n], False)
+        picks.append(d)
+        prev = d
+    assert picks[300:].count(0) >= 0.97 * len(picks[300:]), collections_count(picks[300:])
+    costs = pol.report()["costs_ms"]
+    assert costs["d1/b1/c256"] == pytest.approx(1e3 * (2.2 + 0.5 * 1.9), rel=0.2), costs
