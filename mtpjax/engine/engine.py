@@ -8,9 +8,9 @@
                 EngineCore.commit(plan N, batch, result) ─> tokens to requests, on_token
   (overlap=False: launch and collect the same step, the serial loop)
 
-The façade owns what joins the two: the session, the grammar tokenizer (built lazily,
-mtpjax/grammar.py), the host-time bookkeeping of each iteration, the public attributes.
-Arguments and a step's data flow: the package docstring (mtpjax/engine/__init__.py).
+The façade owns what joins the two: the session, the grammar tokenizer (built lazily), the
+host-time bookkeeping of each iteration, the public attributes. Arguments and a step's data
+flow: the package docstring (mtpjax/engine/__init__.py).
 """
 
 from __future__ import annotations
@@ -126,12 +126,11 @@ class Engine:
     def from_checkpoint(cls, path: str, dtype: str = "float32", num_speculative_tokens: int = 0,
                         tp: int = 1, dp: int = 1, devices: Sequence | None = None,
                         weights: str = "auto", mtp_weights: str = "auto", **kw):
-        """Load a checkpoint onto tp devices; kw (kernels, page_size, max_lanes, ...) go to
-        the Engine (dp > 1: `mtpjax.from_checkpoint`, data_parallel.py). weights: "auto" (as
-        stored), "fp8" (quantize the linears block-wise at load) or "dense"; mtp_weights: the
-        MTP head's ("auto": as stored, dense when weights="fp8"; mtpjax/quant.py).
-        draft_vocab (in kw): "auto" (draft_vocab.default_size when the checkpoint ships a
-        list), None or 0 (the whole vocabulary), a size N or share, a path, or ids."""
+        """Load a checkpoint onto tp devices; kw (kernels, page_size, max_lanes, ...) go to the
+        Engine (dp > 1: `mtpjax.from_checkpoint`). weights: "auto" (as stored), "fp8" (the
+        linears quantized block-wise at load, mtpjax/quant.py) or "dense"; mtp_weights: the
+        MTP head's ("auto": as stored, dense when weights="fp8"). draft_vocab (in kw): "auto"
+        (default_size when the checkpoint ships a list), None or 0 (all), N, a share, ids."""
         if dp != 1:
             raise ValueError(f"dp={dp}: replicas are a DataParallelEngine, built by "
                              "mtpjax.from_checkpoint (same arguments)")
