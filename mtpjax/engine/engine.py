@@ -130,7 +130,7 @@ class Engine:
         Engine (dp > 1: `mtpjax.from_checkpoint`). weights: "auto" (as stored), "fp8" (the
         linears quantized block-wise at load, mtpjax/quant.py) or "dense"; mtp_weights: the
         MTP head's ("auto": as stored, dense when weights="fp8"). draft_vocab (in kw): "auto"
-        (default_size when the checkpoint ships a list), None or 0 (all), N, a share, a path, ids."""
+        (default_size when the checkpoint ships one), None or 0 (all), N, a share, a path, ids."""
         if dp != 1:
             raise ValueError(f"dp={dp}: replicas are a DataParallelEngine, built by "
                              "mtpjax.from_checkpoint (same arguments)")
