@@ -35,7 +35,8 @@ PROMPTS = [list(RNG.integers(0, 11, n)) for n in (3, 21, 9, 40, 1)]
 # Lane buckets 1 and 3, not the default 1, 2, 3: bucket 2 runs the same code as bucket 1 (a
 # step over fewer lane slots than the engine has), one decode program less to compile for each
 # of the four engines (the greedy runs check both buckets ran).
-LANES = dict(max_lanes=3, max_seq_len=96, prefill_chunk=16, lane_buckets=[1, 3])
+# one chunk a step (prefill_rows=1): the requests then end apart and the 1-lane tail runs
+LANES = dict(max_lanes=3, max_seq_len=96, prefill_chunk=16, lane_buckets=[1, 3], prefill_rows=1)
 KW = dict(num_speculative_tokens=3, **LANES)
 SUBSET = [0, 3, 5, 7, 9]          # 5 of 11 ids
 GREEDY = SamplingParams(temperature=0.0, max_new_tokens=24)

@@ -146,6 +146,8 @@ def test_200_requests_batched_with_preemption_equal_one_at_a_time(k):
     e.alloc.check()
     allowed = {("prefill", CHUNK)} | {("decode", d, nb) for d in range(k + 1) for nb in (1, 2, 4, 8)}
     allowed |= {("mixed", d, nb, CHUNK) for d in range(k + 1) for nb in (1, 2, 4, 8)}
+    R = e.prefill_rows          # packed prefill: the same programs at R chunk rows
+    allowed |= {key + (R,) for key in allowed if key[0] in ("prefill", "mixed")}
     assert set(s["programs"]) <= allowed and s["compiled_programs"] == len(s["programs"])
     if k:
         assert sum(o.stats.accepted_tokens for o in outs) > 0
@@ -270,8 +272,9 @@ def test_no_recompiles_across_calls_and_stats():
                 "step_s", "host_s", "steps"):
         assert key in s
     # one prefill bucket, two depths x the lane buckets 1, 2, 4, 8, and two depths with a
-    # chunk riding (over every lane slot)
-    assert s["compiled_programs"] <= 1 + 2 * 4 + 2
+    # chunk riding (over every lane slot); packed prefill: the prefill and the two riding
+    # ones again at prefill_rows rows
+    assert s["compiled_programs"] <= 1 + 2 * 4 + 2 + 3
     assert {p[2] for p in s["programs"] if p[0] == "mixed"} <= {e.lane_slots}
     # the drained tail runs in bucket 1 (compaction keeps the last lane at slot 0)
     assert 1 in {p[2] for p in s["programs"] if p[0] == "decode"}
@@ -292,7 +295,8 @@ def test_warmup_compiles_everything_a_crowded_run_needs_and_changes_no_output():
     # ride buckets (the page-size bucket and the chunk), 2 chunks, move, snapshots
     assert len(e.ride_buckets) == 2 and e.ride_buckets[-1] == CHUNK
     assert e.lane_buckets == (1, 8)
-    assert n == 2 * 2 + 2 * 2 + 2 + 1 + 2
+    # packed prefill (prefill_rows 4): the riding programs again, and one prefill
+    assert e.prefill_rows == 4 and n == 2 * 2 + 2 * 2 + 2 + 1 + 2 + (2 * 2 + 1)
     assert e.warmup() == 0
     compiled = []
 
