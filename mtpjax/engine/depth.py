@@ -22,31 +22,15 @@ and what it earns depends on the request. So both are measured while the engine 
   while time is that of Qwen3.5-27B on an H200) the engine reports each step's modelled
   seconds instead, no call excluded (a price never includes a compile), so the policy
   chooses the depths it would choose on the modelled device, where a depth-1 step costs a
-  few percent more than depth 0 at one lane, not what this machine's programs cost.
-  On wall time (no clock: the Engine sets `wall`) the cost is the median of the window, and
-  a step is a sample only when the steps before and after it ran its depth in consecutive
-  iterations: in the overlapped loop a program's time starts when the host saw the previous
-  step end (a late look shortens it, and the lower quartile picked exactly those), and the
-  host work of the steps around it (committing, planning, the caller's callbacks) shares a
-  2-core CPU with it, so an isolated step measures its neighbours as much as itself.
-  (`cadence`, a wall clock, prices steps instead by the time between consecutive decode
-  results; on this CPU its depth-0 samples came out inflated, so it is off by default.)
-  A depth not measured yet in a cell is interpolated along the depth axis of
+  few percent more than depth 0 at one lane, not what this machine's programs cost. A depth not measured yet in a cell is interpolated along the depth axis of
   the cell (a line through its measured depths, slope >= 0), or scaled from the relative
   slope seen in other cells, or borrowed from the nearest cell; nothing measured: equal costs.
 - Exploration is local: until both neighbours (best - 1, best + 1) of the current best depth
   and depth 0 have `explore` measurements in the cell the step runs one of them instead;
   afterwards every `refresh`-th visit of the cell re-measures one (costs drift with the
   context). Depth 0 is always among them: it is the fallback when drafts stop landing, and a
-  line fitted through noisy deeper samples must not hide what it costs. Each refresh after
-  which no neighbour beats the best by what a switch to it needs doubles the cell's interval
-  (up to `refresh_max` visits): a refresh at a worse depth is pure cost. On wall time a
-  refresh runs `burst` steps in a row and only a step whose neighbours ran its depth is a
-  sample (an interval holds the host work of the steps around it). A switch to a deeper
-  depth needs a `hysteresis` gain plus `confidence` x the measured relative spread of the
-  step times (StepCosts.spread, over the two depths' sample counts), so a lucky sample on
-  a loaded host does not leave the cheap depth; a switch to a shallower one needs no gain
-  (one hard direction is what keeps noise from making the depth flap).
+  line fitted through noisy deeper samples must not hide what it costs. A switch needs a
+  `hysteresis` gain, so noise does not make the depth flap.
 
 A step that carries a prefill chunk (view.chunk > 0: one program per iteration, the chunk
 rides in the decode step) is priced apart, per (lane bucket, chunk bucket): its chunk costs
@@ -70,7 +54,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import statistics
-from typing import Callable
 
 from mtpjax.engine.scheduler import LaneView, RequestStats, StepView
 
@@ -81,55 +64,26 @@ def context_bucket(context: int, smallest: int = 64) -> int:
 
 
 class StepCosts:
-    """Measured step seconds per (depth, lane bucket, context bucket): a quantile (`quantile`:
-    0.25, the lower quartile, by default) over a window of recent steps, cached until the
-    cell's next record (the policy reads it every step)."""
+    """Measured step seconds per (depth, lane bucket, context bucket): low quantiles over a
+    window of recent steps."""
 
-    def __init__(self, window: int = 16, quantile: float = 0.25):
-        if not 0 <= quantile < 1:
-            raise ValueError(f"StepCosts needs 0 <= quantile < 1, got {quantile}")
+    def __init__(self, window: int = 16):
         self.window = window
-        self.quantile = quantile
         self._t: dict[tuple[int, int, int], collections.deque] = {}
-        self._q: dict[tuple[int, int, int], float] = {}
 
     def record(self, depth: int, bucket: int, ctx: int, seconds: float) -> None:
-        key = (depth, bucket, ctx)
-        self._t.setdefault(key, collections.deque(maxlen=self.window)).append(float(seconds))
-        self._q.pop(key, None)
+        self._t.setdefault((depth, bucket, ctx), collections.deque(maxlen=self.window)).append(
+            float(seconds))
 
     def count(self, depth: int, bucket: int, ctx: int) -> int:
         return len(self._t.get((depth, bucket, ctx), ()))
 
     def measured(self, depth: int, bucket: int, ctx: int) -> float | None:
-        """The window's `quantile`. The lower quartile (default) is what a program costs when
-        nothing else gets in its way (a shared host, a GC pause or a concurrent compile only
-        ever add time, so a median lets such noise pick the depth); AdaptiveDepth's wall
-        cadence uses the median (what a step costs the run, its host work included)."""
-        st = self._stats(depth, bucket, ctx)
-        return None if st is None else st[0]
-
-    def _stats(self, depth: int, bucket: int, ctx: int) -> tuple[float, float] | None:
-        """(the window's quantile, its relative spread: (q75 - q25) / median / 1.35, a normal
-        distribution's sigma over its mean; 0 below 4 samples), cached until a record."""
-        key = (depth, bucket, ctx)
-        st = self._q.get(key)
-        if st is None:
-            t = self._t.get(key)
-            if not t:
-                return None
-            ts = sorted(t)
-            n = len(ts)
-            med = ts[n // 2]
-            spread = ((ts[(3 * n) // 4] - ts[n // 4]) / med / 1.35 if n >= 4 and med > 0
-                      else 0.0)
-            st = self._q[key] = (ts[int(n * self.quantile)], spread)
-        return st
-
-    def spread(self, bucket: int, ctx: int, K: int) -> float:
-        """The cell's relative step-time noise: the largest spread of its measured depths."""
-        return max((st[1] for d in range(K + 1)
-                    if (st := self._stats(d, bucket, ctx)) is not None), default=0.0)
+        """The lower quartile of the window: what the step costs when nothing else gets in
+        its way (a shared host, a GC pause or a concurrent compile only ever add time, so a
+        median lets such noise pick the depth)."""
+        t = self._t.get((depth, bucket, ctx))
+        return sorted(t)[len(t) // 4] if t else None
 
     def cells(self) -> set[tuple[int, int]]:
         return {(b, c) for _, b, c in self._t}
@@ -220,68 +174,23 @@ class AdaptiveDepth:
                                   # clock prices but the engine does not run (a long context
                                   # on the H200 clock, cost_model.VirtualClock): cells follow
                                   # the priced context
-    confidence: float = 2.5       # a switch to a deeper depth needs a gain above hysteresis
-                                  # + confidence x the relative noise of the two costs
-                                  # (StepCosts.spread, over their sample counts): on a loaded
-                                  # host a lucky sample of a deeper step must not win
-    burst: int = 3                # on wall time a refresh runs its depth this
-                                  # many steps in a row, and a step next to one of another
-                                  # depth (before or after it) is no sample: its interval
-                                  # holds the other depth's host work (committing the one
-                                  # before, planning and launching the one after), so an
-                                  # isolated deep step among shallow ones looks cheaper,
-                                  # and an isolated depth-0 step among deep ones dearer,
-                                  # than either runs; the burst's middle is what it costs
-    refresh_max: int = 800        # a refresh after which no neighbour could win doubles
-                                  # the cell's refresh interval, up to this many visits
-    cadence: Callable[[], float] | None = None
-                                  # a wall clock (seconds): a step's cost is then the time
-                                  # on it between the results of consecutive decode steps
-                                  # (its share of the run's wall time: host work and its
-                                  # contention with the device included), the window's
-                                  # median; None: the seconds the engine reports (its
-                                  # program's time, or a VirtualClock's price)
-    wall: bool = False            # the engine's seconds are wall time (the Engine sets it,
-                                  # engine_clock): median of the window, samples only from
-                                  # steps between steps of their depth, refresh bursts
 
     def __post_init__(self):
         if self.prior_strength <= 0 or not 0 < self.decay <= 1 or self.window < 1:
             raise ValueError("AdaptiveDepth needs prior_strength > 0, 0 < decay <= 1, "
                              f"window >= 1; got {self}")
         if (self.explore < 0 or self.refresh < 1 or self.hysteresis < 0 or self.min_context < 1
-                or self.context_offset < 0 or self.refresh_max < self.refresh
-                or self.confidence < 0 or self.burst < 1):
+                or self.context_offset < 0):
             raise ValueError("AdaptiveDepth needs explore >= 0, refresh >= 1, "
-                             f"hysteresis >= 0, min_context >= 1, context_offset >= 0, "
-                             f"refresh_max >= refresh, confidence >= 0, burst >= 1; "
+                             f"hysteresis >= 0, min_context >= 1, context_offset >= 0; "
                              f"got {self}")
-        self._new_tables()
+        self.costs = StepCosts(self.window)
+        self.mixed_costs = StepCosts(self.window)   # steps carrying a chunk, by chunk bucket
         self.pooled: PooledAcceptance | None = None
         self.visits: collections.Counter = collections.Counter()
         self.chosen: collections.Counter = collections.Counter()
         self.last = None
         self.last_mixed = None
-        self.gap: dict = {}            # per cell: visits between refreshes (refresh.. max)
-        self.since: collections.Counter = collections.Counter()   # visits since a refresh
-        self.refreshes: collections.Counter = collections.Counter()
-        self.bursts: dict = {}         # per cell: [depth, steps left] of a running refresh
-        self.best_at: dict = {}        # per cell: the best depth when it last refreshed
-        self._prev = None              # cadence: (scheduler step, time, depth) of the last result
-        self._picked = None            # the depth of the last step planned
-
-    def _new_tables(self) -> None:
-        q = 0.5 if self.wall or self.cadence is not None else 0.25
-        self.costs = StepCosts(self.window, q)
-        self.mixed_costs = StepCosts(self.window, q)   # steps carrying a chunk, by chunk bucket
-
-    def engine_clock(self, clock) -> None:
-        """Called by the Engine with its VirtualClock (None: wall time). On wall time the
-        policy's samples are wall seconds (`wall`); with a VirtualClock it uses the modelled
-        seconds the engine reports as before (lower quartile, every step a sample)."""
-        if clock is None and not self.wall:
-            self.wall = True
-            self._new_tables()
 
     def _context(self, view: StepView) -> int:
         """The step's context bucket: its deepest lane's context, plus context_offset."""
@@ -367,94 +276,38 @@ class AdaptiveDepth:
         best = max(range(top + 1), key=lambda d: (score[d], -d))
         last = self.last_mixed if mixed else self.last
         last = last if last is not None and last <= top else None
-        where = cell[1:] if mixed else cell
-        noise = self._noise(costs, where, top)
-        if last is not None and best > last:
-            # deeper needs a gain above hysteresis and the noise; shallower needs none (a
-            # tie goes to the cheaper step, the stock step at depth 0, and one direction
-            # being hard is what keeps noise from making the depth flap)
-            rel = self.hysteresis + noise(best, last)
-            if score[best] <= score[last] + rel * abs(score[last]):
-                best = last
-        pick = self._explore(best, top, costs, cell, score, noise)
+        margin = self.hysteresis * abs(score[last]) if last is not None else 0.0
+        if last is not None and score[best] <= score[last] + margin:
+            best = last
+        pick = self._explore(best, top, costs, cell)
         if mixed:
             self.last_mixed = best
         else:
             self.last = best
         self.chosen[pick] += 1
-        self._picked = pick
         return pick
 
-    def _noise(self, costs: StepCosts, where, top: int):
-        """noise(a, b): confidence x the cell's relative step-time spread over the sample
-        counts of depths a and b: the relative gain a switch between them needs on top of
-        hysteresis before it is believed (0 with a noise-free clock)."""
-        spread = self.confidence * costs.spread(*where, top)
-        n = lambda d: max(costs.count(d, *where), 1)
-        return lambda a, b: spread * (1 / n(a) + 1 / n(b)) ** 0.5 if spread else 0.0
-
-    def _explore(self, best: int, top: int, costs: StepCosts, cell, score=None,
-                 noise=None) -> int:
+    def _explore(self, best: int, top: int, costs: StepCosts, cell) -> int:
         """The neighbours of the best depth, and depth 0 (the fallback that must be known: a
         line through noisy deeper samples can hide how cheap it is), get `explore` samples in
-        each cell first, then one every `refresh` visits in turn (bursts of `burst` steps on
-        wall time); the interval doubles (up to refresh_max) while no neighbour beats the
-        best depth by what a switch to it needs."""
+        each cell first, then one every `refresh` visits in turn."""
         where = cell[1:] if cell[0] == "mixed" else cell
-        run = self.bursts.get(cell)
-        if run is not None and run[1] > 0 and run[0] <= top:
-            run[1] -= 1
-            return run[0]
         cand = [d for d in dict.fromkeys((best + 1, best - 1, 0)) if 0 <= d <= top and d != best]
         for d in cand:
             if costs.count(d, *where) < self.explore:
                 return d
-        if not cand:
-            return best
-        self.since[cell] += 1
-        gap = self.gap.get(cell, self.refresh)
-        if self.since[cell] < gap:
-            return best
-        # a refresh: when the best depth is the one the last refresh saw and every
-        # neighbour scores below it by more than hysteresis, the next refresh waits twice as
-        # long (a refresh step at a worse depth is pure cost; at one lane on a 2-core CPU a
-        # depth-1 step costs ~1.9x a depth-0 one); a close call keeps the base interval
-        clear = score is None or all(
-            score[d] <= score[best] + (self.hysteresis + (noise(d, best) if d > best else 0.0))
-            * abs(score[best]) for d in cand)
-        stable = self.best_at.get(cell) == best and clear
-        self.gap[cell] = min(2 * gap, self.refresh_max) if stable else self.refresh
-        self.best_at[cell] = best
-        self.since[cell] = 0
-        self.refreshes[cell] += 1
-        pick = cand[(self.refreshes[cell] - 1) % len(cand)]
-        on_wall = self.wall or self.cadence is not None
-        self.bursts[cell] = [pick, (self.burst if on_wall else 1) - 1]
-        return pick
+        if cand and self.visits[cell] % self.refresh == 0:
+            return cand[(self.visits[cell] // self.refresh) % len(cand)]
+        return best
 
     def observe(self, view: StepView, depth: int, seconds: float, accepted, compiled: bool):
         """What the engine measured for the step it ran with `view`: its depth, seconds on the
         engine's clock (wall, or modelled with a VirtualClock), the lanes' accepted drafts
         (in view.lanes order) and whether the call compiled (its seconds are then no step
         cost)."""
-        if self.wall or self.cadence is not None:
-            # a sample only between steps of its depth in consecutive iterations (no
-            # prefill-only iteration, new session or idle time in between; the overlapped
-            # loop planned the next step before this one's result, so that one too, see
-            # `burst`); with `cadence` the sample is the wall time since the previous result
-            now = self.cadence() if self.cadence is not None else 0.0
-            prev, self._prev = self._prev, (view.step, now, depth)
-            ok = (prev is not None and view.step == prev[0] + 1 and prev[2] == depth
-                  and self._picked in (None, depth))
-            if self.cadence is not None:
-                seconds = now - prev[1] if ok else None
-            elif not ok:
-                seconds = None
-        if seconds is None or compiled:
-            pass
-        elif view.chunk > 0:
+        if not compiled and view.chunk > 0:
             self.mixed_costs.record(depth, *self._mixed_cell(view), seconds)
-        else:
+        elif not compiled:
             self.costs.record(depth, view.bucket, self._context(view),
                               seconds)
         pool = self._pool(view.K)

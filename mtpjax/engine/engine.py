@@ -71,8 +71,8 @@ class Engine:
             lane_buckets=lane_buckets, prefill_chunk=prefill_chunk,
             prefill_buckets=prefill_buckets, ride_buckets=ride_buckets,
             prefill_rows=prefill_rows, mixed_max_depth=mixed_max_depth, max_seq_len=max_seq_len,
-            max_position=cfg.max_position_embeddings, page_size=page_size, num_pages=num_pages,
-            pool_pages=pool_pages, vocab_size=cfg.vocab_size)
+            max_position=cfg.max_position_embeddings, page_size=page_size,
+            num_pages=num_pages, pool_pages=pool_pages, vocab_size=cfg.vocab_size)
         if snapshot_every_blocks < 1:
             raise ValueError(f"snapshot_every_blocks must be >= 1, got {snapshot_every_blocks}")
         slots = None
@@ -81,8 +81,7 @@ class Engine:
                      else int(prefix_snapshots))
             if slots < 1:
                 raise ValueError(f"prefix_snapshots must be >= 1, got {slots}")
-        if hasattr(policy := make_policy(speculation_policy), "engine_clock"):
-            policy.engine_clock(clock)        # AdaptiveDepth: wall time or a VirtualClock
+        policy = make_policy(speculation_policy)
         dtype = params.embed.dtype
         self.core = EngineCore(
             shapes, eos=tuple(cfg.eos_token_ids if eos_token_ids is None else eos_token_ids),
