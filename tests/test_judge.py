@@ -142,15 +142,16 @@ def test_judge_end_to_end_card(peaky_ckpt, tmp_path):
     assert st["mtp_head"] == "trained" and st["num_speculative_tokens"] == 1
     # the warm-up ran every depth of every lane bucket (solo 1; team, busy 1 and 2), every
     # depth with a prefill chunk riding (one program per depth, over the 2 lane slots), the
-    # 2 prefill chunk buckets (16, 64) and, with more than one lane, the lane move ...
+    # 2 prefill chunk buckets (16, 64) and, with more than one lane, the lane move, and
+    # packed prefill's (2 lanes: 2 rows) riding programs per depth and its one prefill ...
     assert st["warmup"]["solo/k=1"]["programs"] == 2 + 2 + 2
-    assert st["warmup"]["team/k=1"]["programs"] == 4 + 2 + 2 + 1
-    assert st["warmup"]["team/k=0"]["programs"] == 2 + 1 + 2 + 1
+    assert st["warmup"]["team/k=1"]["programs"] == 4 + 2 + 2 + 1 + 2 + 1
+    assert st["warmup"]["team/k=0"]["programs"] == 2 + 1 + 2 + 1 + 1 + 1
     # ... on one shape (2 lane slots for every workload), so that team's and busy's programs
     # are one set, and solo's are among them
     assert st["lane_slots"] == 2 and st["lane_buckets"] == [1, 2]
     progs = st["compiled_programs"]
-    assert progs["busy/k=1"] == progs["team/k=1"] == 9 and progs["busy/k=0"] == 6
+    assert progs["busy/k=1"] == progs["team/k=1"] == 12 and progs["busy/k=0"] == 8
     assert st["memory_mappings"]["peak"] >= st["memory_mappings"]["after_warmup"] > 0
     for w in ("solo", "team", "busy"):
         r = on_disk["policy"][w]["replicas"][0]
