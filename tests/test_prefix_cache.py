@@ -319,6 +319,42 @@ def test_siblings_wait_for_the_first_prefill_and_prefill_only_their_tail():
     assert [o.stats.cached_tokens for o in outs] == [0, 28, 28]
 
 
+@pytest.mark.parametrize("k,share", [(0, 40), (2, 36)])
+def test_requests_arriving_together_prefill_a_shared_system_prompt_once(k, share):
+    """Four requests on one 40-token system prompt, each with its own 5-token message,
+    submitted together: the first prefills the prompt and cuts a chunk at the share point
+    (the deepest page boundary whose key the others share: 40 without speculation; 36 with
+    it, whose key holds the token after the boundary, where the messages differ), the others
+    wait for its entry and prefill only what follows; outputs read through the shared pages
+    are right (mock model)."""
+    page_size, n_sys = 4, 40
+    alloc = PageAllocator(80, page_size, 4, 20)
+    cache = PrefixCache(alloc, num_slots=8, snapshot_pages=0, every_blocks=16,
+                        next_token_in_key=k > 0)      # no grid point below 64 tokens
+    m = FrozenGuardMock(alloc, k)
+    s = Scheduler(alloc, num_draft_slots=k, max_seq_len=72, prefill_chunk=16,
+                  prefix_cache=cache)
+    rng = random.Random(6)
+    system = [rng.randrange(V) for _ in range(n_sys)]
+    prompts = [system + [(i + j) % V for j in range(5)] for i in range(4)]
+    sp = SamplingParams(max_new_tokens=6)
+    for i, p in enumerate(prompts):
+        s.add(Request(i, p, sp, frozenset(), stats=RequestStats.for_depth(k)))
+    first_chunks = []
+    while s.has_work():
+        plan = s.schedule()
+        for src, dst in plan.moves:
+            m.move(src, dst)
+        first_chunks += [(w.start, w.start + len(w.tokens)) for w in plan.prefills
+                         if s.lanes[w.lane].req.id == 0]
+        m.step(s, plan)
+        alloc.check()
+    outs = [s.finished[i] for i in range(4)]
+    assert all(o.token_ids == expected(p, 6) for o, p in zip(outs, prompts))
+    assert [o.stats.cached_tokens for o in outs] == [0, share, share, share]
+    assert any(end == share for _, end in first_chunks), first_chunks   # the cut
+
+
 def _cache(pages=20, slots=2, snap_pages=1):
     a = PageAllocator(pages, 4, 3, 8)
     return a, PrefixCache(a, num_slots=slots, snapshot_pages=snap_pages, every_blocks=2)

@@ -37,9 +37,16 @@ rides in the decode step) is priced apart, per (lane bucket, chunk bucket): its 
 the same at every depth, so it is chosen by what a deeper step adds, not by its tokens per
 second, which the chunk's fixed cost would dilute in favour of depth:
 
-  depth = argmax_d tokens(d) - r * mixed_cost(d),  r = the best decode-step rate of the view
+  depth = argmax_d tokens(d) - r * (1 + W / L) * mixed_cost(d),
+          r = the best decode-step rate of the view, L its decoding lanes,
+          W the requests in lanes still awaiting their first token (view.waiting)
 
-(r: what a second spent here would have earned in a decode step). On this CPU a step of 16
+(r: what a second spent here would have earned in a decode step). A request awaiting its
+first token (its chunks ride here, or its last token joins) earns nothing from the step's
+drafts but waits as long as the step runs: each second of its wait is priced as a decoding
+lane's second (r / L), so a step that delays first tokens runs shallower than one that does
+not, by as much as depth costs on the device (little on the H200, where the weights dominate
+the step). On this CPU a step of 16
 lane slots at depth 2 with a 64-token chunk cost ~2.4x the 8-lane decode step, so mixed
 steps run shallower there; on the H200 the chunk and the drafts cost little next to the
 weights, so they run as deep as decode steps.
@@ -237,12 +244,13 @@ class AdaptiveDepth:
         return view.bucket, context_bucket(view.chunk, 16)
 
     def mixed_values(self, view: StepView) -> list[float | None] | None:
-        """For a step carrying a chunk: tokens(d) - r * mixed_cost(d) at each depth (None where
-        no cost is known), r the best decode rate of the view; None when r is unknown."""
+        """For a step carrying a chunk: tokens(d) - r * (1 + W / L) * mixed_cost(d) at each
+        depth (None where no cost is known), r the best decode rate of the view, L its lanes,
+        W the requests awaiting their first token; None when r is unknown."""
         rates = [r for r in self.throughput(view) if r is not None]
         if not rates:
             return None
-        r = max(rates)
+        r = max(rates) * (1 + view.waiting / max(len(view.lanes), 1))
         toks = self.expected_tokens(view)
         out = []
         for d in range(view.K + 1):

@@ -230,6 +230,18 @@ class PrefixCache:
                 return e
         return None
 
+    def longest(self, tokens) -> int:
+        """The length `lookup` would hit now (0: none), without touching or counting it."""
+        n = len(tokens)
+        if n < 2 or not self.entries:
+            return 0
+        hashes = block_hashes(tokens[:n - 1], self.page_size)
+        for L in range(len(hashes) * self.page_size, 0, -self.page_size):
+            e = self.entries.get(self._key(hashes, tokens, L))
+            if e is not None and e.tokens == tuple(tokens[:L + self.extra]):
+                return L
+        return 0
+
     def pending_at(self, tokens, L: int) -> bool:
         """Whether an entry for tokens' prefix [0, L) is being saved (inserted, unpublished)."""
         if L <= 0 or L % self.page_size or L + self.extra > len(tokens) or not self.pending:

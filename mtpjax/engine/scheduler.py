@@ -16,6 +16,11 @@ iteration, runs the plan's programs, and reports the tokens back:
      boundary another lane is about to snapshot on the same tokens (n > 1 siblings, identical
      prompts) waits for that entry and is then admitted as a hit: the shared prompt is
      prefilled once, each sibling prefills only its tail after the boundary (`_awaits_prefix`).
+     Requests that arrive together on a shared prefix (a system prompt) with different
+     messages after it do the same when the prefix is most of their prefill: the queued
+     request names the deepest page boundary it shares with a prefilling lane (a *share
+     point*: `Lane.shares`), that lane's prefill cuts a chunk and snapshots there, and the
+     request waits for the entry (`_share_wait`).
   2b. compaction: the highest busy lanes move into the lowest free ones (Plan.moves), so the
      busy lanes are always 0..n-1 and a decode step's lane bucket holds no idle lane.
   3. work: the prefill chunks of up to `prefill_rows` lanes still prefilling, oldest first
@@ -152,6 +157,9 @@ class Lane:
     held: collections.deque = dataclasses.field(default_factory=collections.deque)  # real
     # drafts the lane held for each of those steps, oldest first (its BatchRow.drafts)
     hashes: list[int] = dataclasses.field(default_factory=list)  # block_hashes(seq)
+    # share points: page boundaries a queued request shares with seq and waits for; the
+    # lane's prefill cuts a chunk and inserts a prefix-cache entry at each (`_share_wait`)
+    shares: set[int] = dataclasses.field(default_factory=set)
 
     @property
     def prefilling(self) -> bool:
@@ -237,6 +245,8 @@ class StepView:
     step: int                 # scheduler iteration
     chunk: int = 0            # prefill tokens riding in the step, padded as the program
                               # carries them (rows x ride bucket; 0: none)
+    waiting: int = 0          # requests in lanes awaiting their first token, which no step
+                              # in flight brings: each waits as long as this step runs
 
     @property
     def context(self) -> int:
@@ -383,10 +393,25 @@ class Scheduler:
         shares, however short the prompt is beside the chunk length); the few tokens after it
         ride with the join in the next iteration."""
         end = min(len(ln.seq) - 1, (ln.prefilled // self.chunk + 1) * self.chunk)
+        cut = min((p for p in ln.shares if ln.prefilled < p < end), default=None)
+        if cut is not None:        # a share point a queued request waits for
+            return cut
         last = self._last_page(ln)
         if self.cache is not None and end == len(ln.seq) - 1 and ln.prefilled < last < end:
             return last
         return end
+
+    def _chunks(self, n: int, start: int) -> int:
+        """Prefill chunks a sequence of n tokens prefilled up to `start` still runs
+        (`_chunk_end` without share points)."""
+        ps, count = self.alloc.page_size, 0
+        last = (n - 1) // ps * ps
+        while start < n - 1:
+            end = min(n - 1, (start // self.chunk + 1) * self.chunk)
+            if self.cache is not None and end == n - 1 and start < last < end:
+                end = last
+            start, count = end, count + 1
+        return count
 
     def _last_page(self, ln: Lane) -> int:
         """The last page boundary at or before the sequence's last token."""
@@ -444,9 +469,48 @@ class Scheduler:
         if self.cache.pending_at(seq, B):
             return True
         n = B + self.cache.extra
-        return any(ln is not None and ln.prefilled < B and ln.snapped < B
-                   and self._last_page(ln) == B and ln.seq[:n] == seq[:n]
-                   for ln in self.lanes)
+        if any(ln is not None and ln.prefilled < B and ln.snapped < B
+               and self._last_page(ln) == B and ln.seq[:n] == seq[:n]
+               for ln in self.lanes):
+            return True
+        return self._share_wait(seq)
+
+    def _share_wait(self, seq: list[int]) -> bool:
+        """Whether seq should wait for a share point: the deepest page boundary P it shares
+        (tokens [0, P + extra], the key) with a lane still prefilling, when a hit at P saves
+        seq at least one prefill chunk (a system prompt shared by requests that arrive
+        together, each with its own message; each chunk saved is a row of a packed step that
+        another lane gets). The lane cuts a chunk at P and inserts the entry there
+        (`Lane.shares`, `_chunk_end`, `prefill_done`), and seq is admitted as a hit at P once
+        it is published: the shared prefix is prefilled once, as the rule for identical
+        prompts does for a whole prompt. An MTP engine keys a boundary with the
+        token after it, so where messages differ right at a page boundary (a 64-token system
+        prompt) its share point is the boundary before. Registers P on the lane (the oldest
+        lane sharing the deepest prefix); no deadlock: the lane prefills (oldest first) or
+        ends or is preempted, and a pending entry is published or dropped by its step."""
+        ps, x = self.alloc.page_size, self.cache.extra
+        mine = (len(seq) - 1) // ps * ps                   # seq's own last boundary
+        best = None
+        for ln in self.lanes:
+            if ln is None or not ln.prefilling:
+                continue
+            c = _common(seq, ln.seq)
+            P = min((c - x) // ps * ps, mine, self._last_page(ln))
+            if P > 0 and (best is None or P > best[0]):
+                best = (P, ln)
+        if best is None:
+            return False
+        P, ln = best
+        if ln.prefilled >= P and ln.snapped != P:
+            return False                                   # passed it without a snapshot
+        hit = self.cache.longest(seq)
+        if P <= hit or self._chunks(len(seq), P) >= self._chunks(len(seq), hit):
+            return False                         # a hit at P would save seq no chunk
+        if ln.prefilled < P:
+            if ln.snapped < P:
+                ln.shares.add(P)
+            return True
+        return self.cache.pending_at(seq, P)
 
     def _admit(self) -> None:
         while self.queue and None in self.lanes:
@@ -524,9 +588,11 @@ class Scheduler:
         if decode:
             top = len(running)     # busy lanes are 0..n-1 after compaction
             rides = [self._chunk_end(self.lanes[b]) - self.lanes[b].prefilled for b in pres]
+            waiting = sum(self.lanes[b].pos < 0 and not self.lanes[b].inflight
+                          for b in running)
             view = StepView(self.num_draft_slots, max_depth,
                             tuple(self._lane_view(b) for b in decode),
-                            **self._cell(top, rides), step=self.step)
+                            **self._cell(top, rides), step=self.step, waiting=waiting)
             depth, bad = self._choose_depth(view)
             for b in [b for b in decode if self.lanes[b].req.id in bad]:
                 self._finish(b, FINISH_ERROR, bad[self.lanes[b].req.id])
@@ -652,7 +718,8 @@ class Scheduler:
         if self.cache is None or L <= ln.snapped:
             return None
         last = self._last_page(ln)
-        junction = L < last and self.cache.is_junction(ln.hashes, L, self.chunk)
+        junction = L < last and (self.cache.is_junction(ln.hashes, L, self.chunk)
+                                 or L in ln.shares)
         if junction or self.cache.keeps(L, last):
             ln.snapped = L
             return self.cache.insert(ln.seq, L, work.lane, head=L == last, shared=junction)
@@ -761,3 +828,12 @@ class Scheduler:
         for req in self.queue:
             self._record(req, FINISH_CANCELLED)
         self.queue.clear()
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    """Length of the common prefix of two token lists."""
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
