@@ -249,16 +249,17 @@ def _drive(policy, accept, cost, steps=400, lanes=1, max_depth=K, k=K):
     return picks
 
 
-def _drive_mixed(policy, accept, cost, mixed_cost, steps=600, lanes=8, every=4):
+def _drive_mixed(policy, accept, cost, mixed_cost, steps=600, lanes=8, every=4, waiting=0):
     """_drive with every `every`-th step carrying a 48-token prefill chunk that costs
-    mixed_cost(d) at depth d. Returns (decode picks, mixed picks)."""
+    mixed_cost(d) at depth d, `waiting` requests awaiting their first token beside it.
+    Returns (decode picks, mixed picks)."""
     rng = random.Random(0)
     stats = RequestStats.for_depth(K)
     picks = {False: [], True: []}
     for i in range(steps):
         chunk = 48 if i % every == 0 else 0
         view = StepView(K, K, tuple(LaneView(j, 100, K, stats) for j in range(lanes)), lanes,
-                        i, chunk)
+                        i, chunk, waiting=waiting if chunk else 0)
         d = policy(view)
         acc = []
         for _ in range(lanes):
@@ -293,6 +294,22 @@ def test_steps_carrying_a_chunk_are_priced_apart_by_what_depth_adds():
     _drive_mixed(rep, accept, decode, lambda d: 10.0 + 4.0 * d, steps=40)
     assert rep.report()["mixed_costs_ms"] and all(k.endswith("/t64")
                                                   for k in rep.report()["mixed_costs_ms"])
+
+
+def test_steps_delaying_first_tokens_run_shallower():
+    """A request awaiting its first token earns nothing from a mixed step's drafts but waits
+    as long as the step runs: each of its seconds is priced as a decoding lane's (r / L).
+    Decode as above (depth 1, r = 11.7 tokens/s over 8 lanes); mixed steps where a depth
+    adds 0.4 s to a 10 s chunk: with nobody waiting depth 1 gains 7.2 tokens for 4.7 tokens'
+    worth of time; with 16 requests waiting beside the 8 lanes that time is worth 3x, 14 tokens,
+    and the step runs at depth 0."""
+    accept = [0.9, 0.2, 0.1]
+    decode = lambda d: 1.0 + 0.3 * d
+    mixed = lambda d: 10.0 + 0.4 * d
+    _, mix = _drive_mixed(AdaptiveDepth(), accept, decode, mixed)
+    assert mix[-40:].count(1) >= 38
+    _, mix = _drive_mixed(AdaptiveDepth(), accept, decode, mixed, waiting=16)
+    assert mix[-40:].count(0) >= 38
 
 
 def test_useless_head_settles_on_depth_zero():
