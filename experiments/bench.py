@@ -636,10 +636,7 @@ def command_line() -> str:
 
 def write_json(path: str, doc: dict) -> None:
     if path:
-        d = os.path.dirname(os.path.abspath(path))
-        os.makedirs(d, exist_ok=True)
-        with open(path, "w") as f:
-            json.dump(doc, f, indent=2)
+        card_lib.write_json(path, doc)
 
 
 def sweep_main(log) -> None:

@@ -458,10 +458,15 @@ def plot_depths(c: dict, out_dir: str) -> str:
     return p
 
 
+def write_json(path: str, doc: dict, indent: int = 2) -> None:
+    """Write doc as JSON at path, making its folder (the sub-commands' --out)."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=indent, default=float)
+
+
 def write(c: dict, out_dir: str) -> None:
-    os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, "card.json"), "w") as f:
-        json.dump(c, f, indent=2, default=float)
+    write_json(os.path.join(out_dir, "card.json"), c)
     with open(os.path.join(out_dir, "card.md"), "w") as f:
         f.write(render_md(c))
     plot(c, out_dir)

@@ -23,7 +23,6 @@ and checks that both loops emitted the same tokens (they must: tests/test_overla
 
 from __future__ import annotations
 
-import json
 import os
 
 from absl import app, flags
@@ -62,9 +61,7 @@ def main(argv):
     out = run(cfg, params, prompts, lanes, FLAGS.k, FLAGS.passes, FLAGS.requests_per_lane,
               FLAGS.new_tokens, FLAGS.loop_clock)
     if FLAGS.out:
-        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-        with open(FLAGS.out, "w") as f:
-            json.dump(out, f, indent=1)
+        card_lib.write_json(FLAGS.out, out, indent=1)
         print(f"wrote {FLAGS.out}")
 
 

@@ -64,9 +64,7 @@ def main(argv):
               prefill_chunk=FLAGS.prefill_chunk,
               chat_spec=chat_workload.ChatSpec() if FLAGS.chat else None)
     if FLAGS.out:
-        os.makedirs(os.path.dirname(FLAGS.out) or ".", exist_ok=True)
-        with open(FLAGS.out, "w") as f:
-            json.dump(out, f, indent=1)
+        card_lib.write_json(FLAGS.out, out, indent=1)
         print(f"wrote {FLAGS.out}")
 
 

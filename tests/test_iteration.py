@@ -13,6 +13,7 @@ step record that joins the scheduler's bookkeeping to it.
 """
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +40,16 @@ def _engine(k=K, **kw):
 
 # ------------------------------------------------------------------------------ 1. program
 
+def one_row_chunk(seqs, table, T: int, b: int, s: int, n: int) -> steps.Chunk:
+    """steps.Chunk of lane b's tokens [s, s + n) of seqs[b], padded to T, page-table row b."""
+    toks = np.zeros((1, T), np.int32)
+    nt = np.zeros((1, T), np.int32)
+    toks[0, :n] = seqs[b][s:s + n]
+    nt[0, :n] = seqs[b][s + 1:s + n + 1]
+    return steps.Chunk(jnp.int32(b), jnp.asarray(toks), jnp.asarray(nt), jnp.int32(s),
+                       jnp.int32(n), table[b:b + 1])
+
+
 def test_a_step_carrying_a_chunk_equals_the_chunk_then_the_step():
     """Lanes 0 and 1 decode (lane 0 with K real drafts at a page-crossing position, lane 1
     with garbage drafts), lane 2 joins with its last token after its chunk, lane 3 is idle:
@@ -56,14 +67,7 @@ def test_a_step_carrying_a_chunk_equals_the_chunk_then_the_step():
     lanes = LaneSampling.from_params([SamplingParams(), SamplingParams(temperature=1.0, seed=4),
                                       SamplingParams(), SamplingParams()])
 
-    def chunk(b, s, n):
-        toks = np.zeros((1, T), np.int32)
-        nt = np.zeros((1, T), np.int32)
-        toks[0, :n] = seqs[b][s:s + n]
-        nt[0, :n] = seqs[b][s + 1:s + n + 1]
-        return steps.Chunk(jnp.int32(b), jnp.asarray(toks), jnp.asarray(nt), jnp.int32(s),
-                           jnp.int32(n), table[b:b + 1])
-
+    chunk = functools.partial(one_row_chunk, seqs, table, T)
     kw = dict(k=K, kernels="reference")
     for b, n in ((0, 16), (1, 9)):
         cache = steps.prefill_chunk(CFG, PARAMS, cache, chunk(b, 0, n), **kw)

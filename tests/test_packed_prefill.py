@@ -13,6 +13,7 @@
    packed steps did run, and the step records carry no more than R chunks.
 """
 
+import functools
 import os
 
 import jax
@@ -25,6 +26,7 @@ from mtpjax import model, steps
 from mtpjax.sampling import LaneSampling, SamplingParams
 from mtpjax.text import Tokenizer
 
+from test_iteration import one_row_chunk
 from tiny_models import VOCAB11_CFG as CFG, VOCAB11_PARAMS as PARAMS
 from tiny_models import assert_drafts_accepted_and_rejected
 
@@ -65,14 +67,7 @@ def _setup():
     cache = jax.tree.map(poison, cache, is_leaf=lambda x: isinstance(x, model.PagedKV))
     assert any(np.isnan(np.asarray(x)).any() for x in jax.tree.leaves(cache))
 
-    def chunk(b, s, n):
-        toks = np.zeros((1, T), np.int32)
-        nt = np.zeros((1, T), np.int32)
-        toks[0, :n] = seqs[b][s:s + n]
-        nt[0, :n] = seqs[b][s + 1:s + n + 1]
-        return steps.Chunk(jnp.int32(b), jnp.asarray(toks), jnp.asarray(nt), jnp.int32(s),
-                           jnp.int32(n), table[b:b + 1])
-
+    chunk = functools.partial(one_row_chunk, seqs, table, T)
     kw = dict(k=K, kernels="reference")
     for b, n in ((0, 16), (1, 9)):
         cache = steps.prefill_chunk(CFG, PARAMS, cache, chunk(b, 0, n), **kw)
