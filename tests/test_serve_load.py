@@ -88,29 +88,45 @@ class Fault:
 
 
 class FaultInjector:
-    """Replaces engine.runner._program: the faults[i] = (kind, n) n-th launch of a program of that
-    kind runs for real (its donated buffers are deleted) and then raises. Each fired fault
-    records the prompts of the requests the step held: those in a lane, and queued ones that
-    already have tokens (preempted) -- what the online engine fails after a step raises."""
+    """Replaces engine.runner._program: for each faults[i] = (kind, n), the n-th launch of a
+    program of that kind (or the first one after it, when no engine step has succeeded since
+    the last fault) runs for real (its donated buffers are deleted) and then raises. Faults
+    never fail two engine steps in a row: how the kinds interleave depends on the schedule
+    (shared prefixes prefill fewer chunks), and the server gives up after 3 consecutive
+    failed steps. Each fired fault records the prompts of the requests the step held: those
+    in a lane, and queued ones that already have tokens (preempted) -- what the online
+    engine fails after a step raises."""
 
     def __init__(self, engine, faults):
         self.engine, self.faults = engine, list(faults)
         self.counts: dict[str, int] = {}
         self.fired: list[Fault] = []
         self._real = engine.runner._program
+        self._real_step = engine.step
+        self._ok_steps = 1                 # engine steps that succeeded since the last fault
 
     def __enter__(self):
         self.engine.runner._program = self._program
+        self.engine.step = self._step
         return self
 
     def __exit__(self, *exc):
         del self.engine.runner._program
+        del self.engine.step
+
+    def _step(self):
+        out = self._real_step()
+        self._ok_steps += 1
+        return out
 
     def _program(self, key, run, *args, **kw):
         kind = program_kind(key)
         self.counts[kind] = n = self.counts.get(kind, 0) + 1
-        if (kind, n) not in self.faults:
+        due = next((f for f in self.faults if f[0] == kind and f[1] <= n), None)
+        if due is None or not self._ok_steps:
             return self._real(key, run, *args, **kw)
+        self.faults.remove(due)
+        self._ok_steps = 0
         sched = self.engine._sched
         held = {tuple(ln.req.prompt) for ln in sched.lanes if ln is not None}
         held |= {tuple(r.prompt) for r in sched.queue if r.out}
