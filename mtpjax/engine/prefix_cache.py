@@ -213,9 +213,9 @@ class PrefixCache:
         self.entries.move_to_end(key)
         e.used_at = self.clock()
 
-    def lookup(self, tokens) -> Entry | None:
-        """The longest cached prefix of `tokens` that leaves at least one token to prefill
-        (L < len(tokens)), or None; touches the entry (LRU). `admitted` counts it."""
+    def _find(self, tokens) -> tuple[tuple, Entry] | None:
+        """(key, entry) of the longest cached prefix of `tokens` that leaves at least one
+        token to prefill (L < len(tokens)), or None; touches nothing."""
         n = len(tokens)
         if n < 2 or not self.entries:
             return None
@@ -224,23 +224,25 @@ class PrefixCache:
             key = self._key(hashes, tokens, L)
             e = self.entries.get(key)
             if e is not None and e.tokens == tuple(tokens[:L + self.extra]):
-                self._touch(key, e)
-                e.hits += 1
-                e.hit_at = e.used_at
-                return e
+                return key, e
         return None
+
+    def lookup(self, tokens) -> Entry | None:
+        """The longest cached prefix of `tokens` that leaves at least one token to prefill
+        (L < len(tokens)), or None; touches the entry (LRU). `admitted` counts it."""
+        found = self._find(tokens)
+        if found is None:
+            return None
+        key, e = found
+        self._touch(key, e)
+        e.hits += 1
+        e.hit_at = e.used_at
+        return e
 
     def longest(self, tokens) -> int:
         """The length `lookup` would hit now (0: none), without touching or counting it."""
-        n = len(tokens)
-        if n < 2 or not self.entries:
-            return 0
-        hashes = block_hashes(tokens[:n - 1], self.page_size)
-        for L in range(len(hashes) * self.page_size, 0, -self.page_size):
-            e = self.entries.get(self._key(hashes, tokens, L))
-            if e is not None and e.tokens == tuple(tokens[:L + self.extra]):
-                return L
-        return 0
+        found = self._find(tokens)
+        return 0 if found is None else found[1].length
 
     def pending_at(self, tokens, L: int) -> bool:
         """Whether an entry for tokens' prefix [0, L) is being saved (inserted, unpublished)."""

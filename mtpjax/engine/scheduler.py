@@ -392,25 +392,24 @@ class Scheduler:
         sequence's last page boundary instead (a snapshot there: what the next turn of a chat
         shares, however short the prompt is beside the chunk length); the few tokens after it
         ride with the join in the next iteration."""
-        end = min(len(ln.seq) - 1, (ln.prefilled // self.chunk + 1) * self.chunk)
+        end = self._grid_end(len(ln.seq), ln.prefilled)
         cut = min((p for p in ln.shares if ln.prefilled < p < end), default=None)
-        if cut is not None:        # a share point a queued request waits for
-            return cut
-        last = self._last_page(ln)
-        if self.cache is not None and end == len(ln.seq) - 1 and ln.prefilled < last < end:
+        return end if cut is None else cut     # cut: a share point a queued request waits for
+
+    def _grid_end(self, n: int, start: int) -> int:
+        """`_chunk_end` without share points, for a sequence of n tokens prefilled up to
+        start."""
+        end = min(n - 1, (start // self.chunk + 1) * self.chunk)
+        last = (n - 1) // self.alloc.page_size * self.alloc.page_size
+        if self.cache is not None and end == n - 1 and start < last < end:
             return last
         return end
 
     def _chunks(self, n: int, start: int) -> int:
-        """Prefill chunks a sequence of n tokens prefilled up to `start` still runs
-        (`_chunk_end` without share points)."""
-        ps, count = self.alloc.page_size, 0
-        last = (n - 1) // ps * ps
+        """Prefill chunks a sequence of n tokens prefilled up to `start` still runs."""
+        count = 0
         while start < n - 1:
-            end = min(n - 1, (start // self.chunk + 1) * self.chunk)
-            if self.cache is not None and end == n - 1 and start < last < end:
-                end = last
-            start, count = end, count + 1
+            start, count = self._grid_end(n, start), count + 1
         return count
 
     def _last_page(self, ln: Lane) -> int:
@@ -483,9 +482,9 @@ class Scheduler:
         another lane gets). The lane cuts a chunk at P and inserts the entry there
         (`Lane.shares`, `_chunk_end`, `prefill_done`), and seq is admitted as a hit at P once
         it is published: the shared prefix is prefilled once, as the rule for identical
-        prompts does for a whole prompt. An MTP engine keys a boundary with the
-        token after it, so where messages differ right at a page boundary (a 64-token system
-        prompt) its share point is the boundary before. Registers P on the lane (the oldest
+        prompts does for a whole prompt. An MTP engine keys a boundary with the token after
+        it, so where messages differ right at a page boundary (a 64-token system prompt) its
+        share point is the boundary before. Registers P on the lane (the oldest
         lane sharing the deepest prefix); no deadlock: the lane prefills (oldest first) or
         ends or is preempted, and a pending entry is published or dropped by its step."""
         ps, x = self.alloc.page_size, self.cache.extra
@@ -506,9 +505,8 @@ class Scheduler:
         hit = self.cache.longest(seq)
         if P <= hit or self._chunks(len(seq), P) >= self._chunks(len(seq), hit):
             return False                         # a hit at P would save seq no chunk
-        if ln.prefilled < P:
-            if ln.snapped < P:
-                ln.shares.add(P)
+        if ln.prefilled < P:           # (snapped <= prefilled: no snapshot at P yet)
+            ln.shares.add(P)
             return True
         return self.cache.pending_at(seq, P)
 
