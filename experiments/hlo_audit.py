@@ -886,6 +886,28 @@ def _paged_pool_read(ins: Instr, operands: list[Instr | None]) -> dict[int, int]
     return out
 
 
+def _pool_write_traffic(ins: Instr, operands: list[Instr | None]) -> tuple[dict[int, int], int]:
+    """The attention prologue (pallas_kernels/qk_norm_rope.py) writes each new token's K and
+    V row into the pools it takes aliased (in place) and reads nothing of them: (operand
+    index -> 0 for each pool, the bytes it writes: its non-pool outputs plus B x T x NKV
+    rows of K and of V, with B, T from the i32 page table and the [B, T, C] projection)."""
+    pools = {i: o for i, o in enumerate(operands) if o is not None and len(o.shape) == 1
+             and len(o.shape[0].dims) == 4}
+    qkv = next((o for o in operands if o is not None and len(o.shape) == 1
+                and len(o.shape[0].dims) == 3 and o.shape[0].dtype != "s32"), None)
+    if len(pools) != 2 or qkv is None:
+        return {}, ins.nbytes
+    pool_shapes = [p.shape[0] for p in pools.values()]
+    outs = list(ins.shape)
+    for a in pool_shapes:
+        if a in outs:
+            outs.remove(a)
+    b, t, _ = qkv.shape[0].dims
+    rows = sum(b * t * a.dims[0] * a.nbytes // (a.dims[0] * a.dims[1] * a.dims[2])
+               for a in pool_shapes)
+    return {i: 0 for i in pools}, sum(a.nbytes for a in outs) + rows
+
+
 def kernel_traffic(module: Module, param_kinds: Mapping[int, str] | None = None
                    ) -> list[Kernel]:
     """Every kernel a compiled program launches, with the HBM bytes it moves (see
@@ -917,6 +939,10 @@ def kernel_traffic(module: Module, param_kinds: Mapping[int, str] | None = None
                     kind = "pallas:" + _kernel_name(ins)
                     if "paged_attention" in kind:
                         for i, b in _paged_pool_read(ins, opnds).items():
+                            sizes[i] = b
+                    elif "qk_norm_rope_write" in kind:
+                        reads, written = _pool_write_traffic(ins, opnds)
+                        for i, b in reads.items():
                             sizes[i] = b
                 elif "gemm" in target or "cublas" in target:
                     kind = "gemm"

@@ -423,8 +423,26 @@ def attention_block(cfg: Config, p: AttnParams, x, kv, seg: Segment, cos, sin,
 
 def _attend_gated(cfg: Config, p: AttnParams, qkv, kv, seg: Segment, cos, sin, kernels: str):
     """Attention between the fused projection qkv [B, T, ...] and o_proj: q/k norms and rope,
-    KV write + paged attention, the sigmoid gate. Returns (o [B, T, NQ*HD], kv)."""
+    KV write + paged attention, the sigmoid gate. Returns (o [B, T, NQ*HD], kv).
+
+    On the Pallas path a paged decode / verify block (T <= pk.QK_MAX_TOKENS) runs it as three
+    kernels (XLA made twelve on the H200): pk.qk_norm_rope_write (split, norms, rope, the KV
+    write in place, q folded into the attention kernel's rows), the attention kernel, and
+    one that merges its splits and applies the gate (pk.paged_attention_gated)."""
     B, T, _ = qkv.shape
+    if kernels != "reference" and isinstance(kv, PagedKV) and T <= pk.QK_MAX_TOKENS:
+        if seg.page_table is None:
+            raise ValueError("paged KV storage needs a Segment with a page_table")
+        interpret = kernels == "interpret"
+        kv_lens = seg.start + seg.n_valid
+        qf, k_pages, v_pages = pk.qk_norm_rope_write(
+            qkv, p.q_norm, p.k_norm, cos, sin, kv.k, kv.v, seg.page_table, kv_lens, seg.n_valid,
+            num_q_heads=cfg.num_attention_heads, rotary_dim=cfg.rotary_dim,
+            eps=cfg.rms_norm_eps, interpret=interpret)
+        o = pk.paged_attention_gated(qf, k_pages, v_pages, seg.page_table, kv_lens, seg.n_valid,
+                                     qkv, num_q_heads=cfg.num_attention_heads,
+                                     sm_scale=cfg.head_dim ** -0.5, interpret=interpret)
+        return o, PagedKV(k_pages, v_pages, kv.page_size)
     q, gate, k, v = _split_qkv(cfg, p, qkv, cos, sin)
     o, kv = kv_attend(kv, q, k, v, seg, cfg.head_dim ** -0.5, kernels)
     return o.reshape(B, T, gate.shape[-1]) * jax.nn.sigmoid(gate), kv

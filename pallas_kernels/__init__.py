@@ -16,10 +16,18 @@ from pallas_kernels.gated_delta import (
 )
 from pallas_kernels.paged_attention import (
     paged_attention,
+    paged_attention_gated,
+    paged_attention_gated_reference,
     paged_attention_reference,
+    query_rows,
     validate_paged_inputs_dynamic,
     write_kv,
     write_kv_reference,
+)
+from pallas_kernels.qk_norm_rope import (
+    MAX_TOKENS as QK_MAX_TOKENS,
+    qk_norm_rope_write,
+    qk_norm_rope_write_reference,
 )
 from pallas_kernels.rmsnorm import add_rmsnorm, add_rmsnorm_reference
 from pallas_kernels.tuned_block_sizes import (
@@ -54,7 +62,13 @@ __all__ = [
     "get_gated_delta_tuning",
     "get_paged_attention_tuning",
     "paged_attention",
+    "paged_attention_gated",
+    "paged_attention_gated_reference",
     "paged_attention_reference",
+    "qk_norm_rope_write",
+    "qk_norm_rope_write_reference",
+    "query_rows",
+    "QK_MAX_TOKENS",
     "recurrent_gated_delta_reference",
     "validate_paged_inputs_dynamic",
     "write_kv",

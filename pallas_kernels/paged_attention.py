@@ -278,6 +278,95 @@ def validate_paged_inputs_dynamic(q, k_pages, page_tables, kv_lens, q_lens):
                        f"the pool [0, {num_pages}) (the lane needs {used.size} pages)")
 
 
+def query_rows(tq: int, group: int, tuning: PagedAttentionTuning) -> tuple[int, int]:
+  """(block_rows, rows_pad): the query rows of one program and the folded rows of one
+  (lane, kv head) after padding (``rows_pad >= tq * group``, a multiple of block_rows)."""
+  n_rows = tq * group
+  if next_pow2(max(n_rows, _MIN_ROWS)) <= tuning.max_block_rows:
+    block_rows = next_pow2(max(n_rows, _MIN_ROWS))
+  else:
+    block_rows = tuning.max_block_rows
+  return block_rows, pl.cdiv(n_rows, block_rows) * block_rows
+
+
+def _attend_rows(qf, k_pages, v_pages, page_tables, kv_lens, q_lens, *, group: int,
+                 block_rows: int, sm_scale: float, interpret: bool,
+                 tuning: PagedAttentionTuning, force_split: bool):
+  """The attention kernel over folded query rows qf [B, NKV, rows_pad, HD]: (its outputs,
+  split). split (k_splits > 1, or force_split): (o f32 [S, B, NKV, rows_pad, HD] unnormalised,
+  l, m f32 [S, B, NKV, rows_pad]); else o [B, NKV, rows_pad, HD] in qf's dtype."""
+  b, nkv, rows_pad, hd = qf.shape
+  _, num_pages, page_size, _ = k_pages.shape
+  n_row_blocks = rows_pad // block_rows
+
+  # --- page blocks and splits ---------------------------------------------------
+  pages_per_lane = page_tables.shape[1]
+  ppb = _key_block_pages(tuning, page_size, pages_per_lane, interpret)
+  n_blocks = pl.cdiv(pages_per_lane, ppb)
+  if tuning.k_splits is None:
+    k_splits = pl.cdiv(tuning.target_programs, b * nkv * n_row_blocks)
+  else:
+    k_splits = tuning.k_splits
+  k_splits = max(1, min(k_splits, n_blocks))
+  blocks_per_split = pl.cdiv(n_blocks, k_splits)
+  k_splits = pl.cdiv(n_blocks, blocks_per_split)  # drop empty trailing splits
+  ppp = blocks_per_split * ppb
+  table = page_tables
+  if k_splits * ppp != pages_per_lane:
+    table = jnp.pad(page_tables, ((0, 0), (0, k_splits * ppp - pages_per_lane)))
+  split = k_splits > 1 or force_split
+
+  precision = lax.Precision.HIGHEST if qf.dtype == jnp.float32 else None
+  kernel = functools.partial(
+      _paged_attention_kernel,
+      group=group,
+      page_size=page_size,
+      pages_per_block=ppb,
+      pages_per_partition=ppp,
+      sm_scale=float(sm_scale),
+      precision=precision,
+      split=split,
+  )
+  grid = (b, nkv, n_row_blocks, k_splits)
+  in_specs = [
+      pl.BlockSpec((1,), lambda i, h, r, s: (i,)),  # kv_lens
+      pl.BlockSpec((1,), lambda i, h, r, s: (i,)),  # q_lens
+      pl.BlockSpec((None, ppp), lambda i, h, r, s: (i, s)),  # page table
+      pl.BlockSpec((None, None, block_rows, hd), lambda i, h, r, s: (i, h, r, 0)),
+      pl.BlockSpec((None, num_pages, page_size, hd), lambda i, h, r, s: (h, 0, 0, 0)),
+      pl.BlockSpec((None, num_pages, page_size, hd), lambda i, h, r, s: (h, 0, 0, 0)),
+  ]
+  if split:
+    out_shape = [
+        jax.ShapeDtypeStruct((k_splits, b, nkv, rows_pad, hd), jnp.float32),
+        jax.ShapeDtypeStruct((k_splits, b, nkv, rows_pad), jnp.float32),
+        jax.ShapeDtypeStruct((k_splits, b, nkv, rows_pad), jnp.float32),
+    ]
+    out_specs = [
+        pl.BlockSpec((None, None, None, block_rows, hd),
+                     lambda i, h, r, s: (s, i, h, r, 0)),
+        pl.BlockSpec((None, None, None, block_rows), lambda i, h, r, s: (s, i, h, r)),
+        pl.BlockSpec((None, None, None, block_rows), lambda i, h, r, s: (s, i, h, r)),
+    ]
+  else:
+    out_shape = jax.ShapeDtypeStruct((b, nkv, rows_pad, hd), qf.dtype)
+    out_specs = pl.BlockSpec((None, None, block_rows, hd),
+                             lambda i, h, r, s: (i, h, r, 0))
+
+  out = pl.pallas_call(
+      kernel,
+      grid=grid,
+      in_specs=in_specs,
+      out_specs=out_specs,
+      out_shape=out_shape,
+      compiler_params=pltr.CompilerParams(num_warps=tuning.num_warps,
+                                          num_stages=tuning.num_stages),
+      interpret=interpret,
+      name=f"paged_attention_{tuning.name}_rows{block_rows}_splits{k_splits}",
+  )(kv_lens, q_lens, table, qf, k_pages, v_pages)
+  return out, split
+
+
 @functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "tuning"))
 def paged_attention(
     q: jax.Array,
@@ -325,83 +414,14 @@ def paged_attention(
 
   # --- fold (Tq, G) into rows -------------------------------------------------
   n_rows = tq * group
-  if next_pow2(max(n_rows, _MIN_ROWS)) <= tuning.max_block_rows:
-    block_rows = next_pow2(max(n_rows, _MIN_ROWS))
-  else:
-    block_rows = tuning.max_block_rows
-  n_row_blocks = pl.cdiv(n_rows, block_rows)
-  rows_pad = n_row_blocks * block_rows
+  block_rows, rows_pad = query_rows(tq, group, tuning)
   qf = q.reshape(b, tq, nkv, group, hd).transpose(0, 2, 1, 3, 4)
   qf = qf.reshape(b, nkv, n_rows, hd)
   if rows_pad != n_rows:
     qf = jnp.pad(qf, ((0, 0), (0, 0), (0, rows_pad - n_rows), (0, 0)))
-
-  # --- page blocks and splits ---------------------------------------------------
-  pages_per_lane = page_tables.shape[1]
-  ppb = _key_block_pages(tuning, page_size, pages_per_lane, interpret)
-  n_blocks = pl.cdiv(pages_per_lane, ppb)
-  if tuning.k_splits is None:
-    k_splits = pl.cdiv(tuning.target_programs, b * nkv * n_row_blocks)
-  else:
-    k_splits = tuning.k_splits
-  k_splits = max(1, min(k_splits, n_blocks))
-  blocks_per_split = pl.cdiv(n_blocks, k_splits)
-  k_splits = pl.cdiv(n_blocks, blocks_per_split)  # drop empty trailing splits
-  ppp = blocks_per_split * ppb
-  table = page_tables
-  if k_splits * ppp != pages_per_lane:
-    table = jnp.pad(page_tables, ((0, 0), (0, k_splits * ppp - pages_per_lane)))
-  split = k_splits > 1
-
-  precision = lax.Precision.HIGHEST if q.dtype == jnp.float32 else None
-  kernel = functools.partial(
-      _paged_attention_kernel,
-      group=group,
-      page_size=page_size,
-      pages_per_block=ppb,
-      pages_per_partition=ppp,
-      sm_scale=float(sm_scale),
-      precision=precision,
-      split=split,
-  )
-  grid = (b, nkv, n_row_blocks, k_splits)
-  in_specs = [
-      pl.BlockSpec((1,), lambda i, h, r, s: (i,)),  # kv_lens
-      pl.BlockSpec((1,), lambda i, h, r, s: (i,)),  # q_lens
-      pl.BlockSpec((None, ppp), lambda i, h, r, s: (i, s)),  # page table
-      pl.BlockSpec((None, None, block_rows, hd), lambda i, h, r, s: (i, h, r, 0)),
-      pl.BlockSpec((None, num_pages, page_size, hd), lambda i, h, r, s: (h, 0, 0, 0)),
-      pl.BlockSpec((None, num_pages, page_size, hd), lambda i, h, r, s: (h, 0, 0, 0)),
-  ]
-  if split:
-    out_shape = [
-        jax.ShapeDtypeStruct((k_splits, b, nkv, rows_pad, hd), jnp.float32),
-        jax.ShapeDtypeStruct((k_splits, b, nkv, rows_pad), jnp.float32),
-        jax.ShapeDtypeStruct((k_splits, b, nkv, rows_pad), jnp.float32),
-    ]
-    out_specs = [
-        pl.BlockSpec((None, None, None, block_rows, hd),
-                     lambda i, h, r, s: (s, i, h, r, 0)),
-        pl.BlockSpec((None, None, None, block_rows), lambda i, h, r, s: (s, i, h, r)),
-        pl.BlockSpec((None, None, None, block_rows), lambda i, h, r, s: (s, i, h, r)),
-    ]
-  else:
-    out_shape = jax.ShapeDtypeStruct((b, nkv, rows_pad, hd), q.dtype)
-    out_specs = pl.BlockSpec((None, None, block_rows, hd),
-                             lambda i, h, r, s: (i, h, r, 0))
-
-  out = pl.pallas_call(
-      kernel,
-      grid=grid,
-      in_specs=in_specs,
-      out_specs=out_specs,
-      out_shape=out_shape,
-      compiler_params=pltr.CompilerParams(num_warps=tuning.num_warps,
-                                          num_stages=tuning.num_stages),
-      interpret=interpret,
-      name=f"paged_attention_{tuning.name}_rows{block_rows}_splits{k_splits}",
-  )(kv_lens, q_lens, table, qf, k_pages, v_pages)
-
+  out, split = _attend_rows(qf, k_pages, v_pages, page_tables, kv_lens, q_lens,
+                            group=group, block_rows=block_rows, sm_scale=sm_scale,
+                            interpret=interpret, tuning=tuning, force_split=False)
   if split:
     o_part, l_part, m_part = out
     m_max = jnp.max(m_part, axis=0)
@@ -414,6 +434,140 @@ def paged_attention(
     o = out
   o = o[:, :, :n_rows].reshape(b, nkv, tq, group, hd).transpose(0, 2, 1, 3, 4)
   return o.reshape(b, tq, nq, hd)
+
+
+# ---------------------------------------------------------------------------
+# Gated attention over folded rows (the fused attention layer's middle)
+# ---------------------------------------------------------------------------
+
+
+def _merge_gate_kernel(
+    o_ref,  # f32[S, HD]   this row's unnormalised partial outputs, one per split
+    l_ref,  # f32[S]       their row sums
+    m_ref,  # f32[S]       their row maxima
+    gate_ref,  # [HD]      the row's gate logits (a column block of the qkv projection)
+    out_ref,  # [HD]       the gated output row
+    *,
+    splits: int,
+):
+  m = [m_ref[s] for s in range(splits)]
+  m_max = m[0]
+  for x in m[1:]:
+    m_max = jnp.maximum(m_max, x)
+  l_tot = jnp.zeros((), jnp.float32)
+  acc = jnp.zeros(o_ref.shape[1:], jnp.float32)
+  for s in range(splits):
+    w = jnp.exp(m[s] - m_max)
+    l_tot = l_tot + l_ref[s] * w
+    acc = acc + o_ref[s, :] * w
+  dt = out_ref.dtype
+  o = (acc / jnp.where(l_tot > 0.0, l_tot, 1.0)).astype(dt)
+  g = gate_ref[...].astype(jnp.float32)
+  sg = (1.0 / (1.0 + jnp.exp(-g))).astype(dt)          # jax.nn.sigmoid in the gate's dtype
+  out_ref[...] = (o.astype(jnp.float32) * sg.astype(jnp.float32)).astype(dt)
+
+
+def _gated_validate(qf, qkv, num_q_heads, k_pages):
+  if qf.ndim != 4:
+    raise ValueError(f"qf must be [B, NKV, rows, HD], got shape {qf.shape}")
+  if qkv.ndim != 3:
+    raise ValueError(f"qkv must be [B, Tq, (2 NQ + 2 NKV) HD], got shape {qkv.shape}")
+  b, nkv, rows, hd = qf.shape
+  if num_q_heads % nkv:
+    raise ValueError(f"num_q_heads ({num_q_heads}) must be a multiple of NKV ({nkv})")
+  if qkv.shape[0] != b or qkv.shape[2] != (2 * num_q_heads + 2 * nkv) * hd:
+    raise ValueError(f"qkv {qkv.shape} does not match qf {qf.shape} with "
+                     f"{num_q_heads} query heads")
+  if rows < qkv.shape[1] * (num_q_heads // nkv):
+    raise ValueError(f"qf holds {rows} rows, fewer than Tq * G = "
+                     f"{qkv.shape[1] * (num_q_heads // nkv)}")
+  if qkv.dtype != qf.dtype:
+    raise ValueError(f"qkv and qf dtypes differ: {qkv.dtype} and {qf.dtype}")
+  if k_pages.shape[0] != nkv or k_pages.shape[3] != hd:
+    raise ValueError(f"the pool {k_pages.shape} does not match qf {qf.shape} in NKV/HD")
+
+
+@functools.partial(jax.jit, static_argnames=("num_q_heads", "sm_scale", "interpret",
+                                             "tuning", "num_warps"))
+def paged_attention_gated(qf, k_pages, v_pages, page_tables, kv_lens, q_lens, qkv, *,
+                          num_q_heads: int, sm_scale: float, interpret: bool = False,
+                          tuning: PagedAttentionTuning | None = None, num_warps: int = 4):
+  """Gated attention from folded query rows: :func:`paged_attention`, then ``o *
+  sigmoid(gate)`` with the gate read straight from the fused qkv projection.
+
+  Two kernels: the attention kernel over qf (always in split form, so the second kernel
+  finishes every row the same way), then one program per (lane, kv head, row) that merges
+  the splits (flash decoding), rounds to qf's dtype, and multiplies by the sigmoid of the
+  row's gate, each rounded to that dtype (the model's ``o * jax.nn.sigmoid(gate)``), writing
+  the row where the model's reshape puts it.
+
+  Args:
+    qf: [B, NKV, rows, HD] normed, roped queries folded as :func:`paged_attention` folds
+      them (row t * G + g is query head kv_head * G + g of token t), rows >= Tq * G ignored;
+      rows must be ``query_rows(Tq, G, tuning)[1]`` (qk_norm_rope_write writes that).
+    k_pages, v_pages, page_tables, kv_lens, q_lens: as :func:`paged_attention`.
+    qkv: [B, Tq, (2 NQ + 2 NKV) HD] the fused projection; head j's gate is columns
+      [(2 j + 1) HD, (2 j + 2) HD).
+    num_q_heads: NQ.
+  Returns:
+    [B, Tq, NQ * HD] in qf's dtype; rows t >= q_lens[b] are zeros.
+  Raises:
+    ValueError: on inconsistent shapes (and as :func:`paged_attention`).
+  """
+  _gated_validate(qf, qkv, num_q_heads, k_pages)
+  b, tq, _ = qkv.shape
+  nkv, hd = qf.shape[1], qf.shape[3]
+  group = num_q_heads // nkv
+  q_shape = jnp.zeros((b, tq, num_q_heads, hd), qf.dtype)      # shapes only: checks
+  _static_validate(q_shape, k_pages, v_pages, page_tables, kv_lens, q_lens, interpret)
+  if tuning is None:
+    tuning = get_paged_attention_tuning(hd, k_pages.shape[2], tq * group)
+  block_rows, rows_pad = query_rows(tq, group, tuning)
+  if qf.shape[2] != rows_pad:
+    raise ValueError(f"qf must hold {rows_pad} rows for Tq={tq}, G={group}, got {qf.shape[2]}")
+  (o_part, l_part, m_part), _ = _attend_rows(
+      qf, k_pages, v_pages, page_tables, kv_lens, q_lens, group=group,
+      block_rows=block_rows, sm_scale=sm_scale, interpret=interpret, tuning=tuning,
+      force_split=True)
+  splits = o_part.shape[0]
+  grid = (b, nkv, tq * group)
+  return pl.pallas_call(
+      functools.partial(_merge_gate_kernel, splits=splits),
+      grid=grid,
+      in_specs=[
+          pl.BlockSpec((splits, None, None, None, hd), lambda i, h, r: (0, i, h, r, 0)),
+          pl.BlockSpec((splits, None, None, None), lambda i, h, r: (0, i, h, r)),
+          pl.BlockSpec((splits, None, None, None), lambda i, h, r: (0, i, h, r)),
+          pl.BlockSpec((None, None, hd),
+                       lambda i, h, r: (i, r // group, 2 * (h * group + r % group) + 1)),
+      ],
+      out_specs=pl.BlockSpec((None, None, hd),
+                             lambda i, h, r: (i, r // group, h * group + r % group)),
+      out_shape=jax.ShapeDtypeStruct((b, tq, num_q_heads * hd), qf.dtype),
+      compiler_params=pltr.CompilerParams(num_warps=num_warps, num_stages=1),
+      interpret=interpret,
+      name=f"attention_merge_gate_s{splits}",
+  )(o_part, l_part, m_part, qkv)
+
+
+@functools.partial(jax.jit, static_argnames=("num_q_heads", "sm_scale", "interpret",
+                                             "tuning", "num_warps"))
+def paged_attention_gated_reference(qf, k_pages, v_pages, page_tables, kv_lens, q_lens, qkv,
+                                    *, num_q_heads: int, sm_scale: float,
+                                    interpret: bool = False, tuning=None, num_warps: int = 4):
+  """jnp version of :func:`paged_attention_gated` (same signature): unfold the rows,
+  :func:`paged_attention_reference`, then the model's ``o * jax.nn.sigmoid(gate)``."""
+  del interpret, tuning, num_warps
+  _gated_validate(qf, qkv, num_q_heads, k_pages)
+  b, tq, _ = qkv.shape
+  nkv, hd = qf.shape[1], qf.shape[3]
+  group = num_q_heads // nkv
+  q = qf[:, :, :tq * group].reshape(b, nkv, tq, group, hd).transpose(0, 2, 1, 3, 4)
+  q = q.reshape(b, tq, num_q_heads, hd)
+  o = paged_attention_reference(q, k_pages, v_pages, page_tables, kv_lens, q_lens,
+                                sm_scale=sm_scale)
+  gate = qkv[..., :2 * num_q_heads * hd].reshape(b, tq, num_q_heads, 2 * hd)[..., hd:]
+  return o.reshape(b, tq, num_q_heads * hd) * jax.nn.sigmoid(gate.reshape(b, tq, -1))
 
 
 # ---------------------------------------------------------------------------
