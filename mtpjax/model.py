@@ -425,12 +425,14 @@ def _attend_gated(cfg: Config, p: AttnParams, qkv, kv, seg: Segment, cos, sin, k
     """Attention between the fused projection qkv [B, T, ...] and o_proj: q/k norms and rope,
     KV write + paged attention, the sigmoid gate. Returns (o [B, T, NQ*HD], kv).
 
-    On the Pallas path a paged decode / verify block (T <= pk.QK_MAX_TOKENS) runs it as three
+    On the Pallas path a paged decode / verify block (T <= pk.QK_MAX_TOKENS, and a rotary
+    half the compiled kernel takes: pk.qk_norm_rope_fits) runs it as three
     kernels (XLA made twelve on the H200): pk.qk_norm_rope_write (split, norms, rope, the KV
     write in place, q folded into the attention kernel's rows), the attention kernel, and
     one that merges its splits and applies the gate (pk.paged_attention_gated)."""
     B, T, _ = qkv.shape
-    if kernels != "reference" and isinstance(kv, PagedKV) and T <= pk.QK_MAX_TOKENS:
+    if (kernels != "reference" and isinstance(kv, PagedKV)
+            and pk.qk_norm_rope_fits(T, cfg.rotary_dim, kernels == "interpret")):
         if seg.page_table is None:
             raise ValueError("paged KV storage needs a Segment with a page_table")
         interpret = kernels == "interpret"

@@ -26,6 +26,7 @@ from pallas_kernels.paged_attention import (
 )
 from pallas_kernels.qk_norm_rope import (
     MAX_TOKENS as QK_MAX_TOKENS,
+    fits as qk_norm_rope_fits,
     qk_norm_rope_write,
     qk_norm_rope_write_reference,
 )
@@ -65,6 +66,7 @@ __all__ = [
     "paged_attention_gated",
     "paged_attention_gated_reference",
     "paged_attention_reference",
+    "qk_norm_rope_fits",
     "qk_norm_rope_write",
     "qk_norm_rope_write_reference",
     "query_rows",

@@ -60,6 +60,14 @@ def head_pieces(head_dim: int, rotary_dim: int) -> list[tuple[int, int]]:
   return [(0, half), (half, half)] + _pow2_pieces(rotary_dim, head_dim - rotary_dim)
 
 
+def fits(tokens: int, rotary_dim: int, interpret: bool) -> bool:
+  """Whether the kernel takes a block of `tokens` tokens with this rotary_dim: at most
+  MAX_TOKENS (the loop is unrolled) and, compiled, a power-of-two rotated half (Triton
+  tensors; the pass-through columns are read in power-of-two pieces whatever HD is)."""
+  half = rotary_dim // 2
+  return 1 <= tokens <= MAX_TOKENS and (interpret or (half > 0 and half & (half - 1) == 0))
+
+
 def _kernel(
     kv_len_ref,  # i32[1]                 this lane's kv length (incl. the new tokens)
     q_len_ref,  # i32[1]                  this lane's valid new tokens
@@ -182,11 +190,9 @@ def _validate(qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, page_tables, kv_l
   for name, arr in (("page_tables", page_tables), ("kv_lens", kv_lens), ("q_lens", q_lens)):
     if arr.dtype != jnp.int32:
       raise ValueError(f"{name} must be int32, got {arr.dtype}")
-  if not interpret:
-    half = rotary_dim // 2
-    if half & (half - 1) or half < 16:
-      raise ValueError(f"the Triton kernel needs rotary_dim / 2 a power of two >= 16, got "
-                       f"{half}")
+  if not fits(t, rotary_dim, interpret):
+    raise ValueError(f"the Triton kernel needs rotary_dim / 2 a power of two, got "
+                     f"{rotary_dim // 2}")
 
 
 @functools.partial(jax.jit, static_argnames=("num_q_heads", "rotary_dim", "eps", "interpret",
@@ -211,7 +217,7 @@ def qk_norm_rope_write(qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, page_tab
     tuning, what ``paged_attention_gated`` takes; k_pages; v_pages).
   Raises:
     ValueError: on inconsistent shapes or dtypes; on the Triton path for rotary_dim / 2 not
-      a power of two >= 16.
+      a power of two (see `fits`).
   """
   _validate(qkv, q_norm, k_norm, cos, sin, k_pages, v_pages, page_tables, kv_lens, q_lens,
             num_q_heads, rotary_dim, interpret)

@@ -28,6 +28,7 @@ from pallas_kernels import (
     PagedAttentionTuning,
     paged_attention_gated,
     paged_attention_gated_reference,
+    qk_norm_rope_fits,
     qk_norm_rope_write,
     qk_norm_rope_write_reference,
     write_kv,
@@ -214,8 +215,10 @@ def test_rejects():
   with pytest.raises(ValueError, match="columns"):
     qk_norm_rope_write(**dict(args, qkv=args["qkv"][..., :-64]), **kw, interpret=True)
   odd, odd_kw = _case(1, t=1, rd=24)
-  with pytest.raises(ValueError, match="power of two >= 16"):
+  with pytest.raises(ValueError, match="rotary_dim / 2 a power of two"):
     qk_norm_rope_write(**odd, **odd_kw, interpret=False)
+  assert qk_norm_rope_fits(16, 16, False) and qk_norm_rope_fits(3, 24, True)
+  assert not qk_norm_rope_fits(17, 64, True) and not qk_norm_rope_fits(1, 24, False)
   big = jnp.zeros((3, 17, args["qkv"].shape[-1]), jnp.bfloat16)
   with pytest.raises(ValueError, match="T must lie in 1..16"):
     qk_norm_rope_write(**dict(args, qkv=big), **kw, interpret=True)
