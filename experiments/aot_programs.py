@@ -224,12 +224,13 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
             dict(k=2, **kw),
             (None, WEIGHT, CACHE, OTHER, OTHER, OTHER, OTHER, OTHER),
             Reads(0, 1, 1, B, max_seq_len, 0, **price), dtype, key=("draft", B)))
-    progs += _copy_programs(cfg, local, cache, state, mesh, snapshot_slots, dtype, price, scalar)
+    progs += _copy_programs(cfg, local, params, cache, state, mesh, snapshot_slots, dtype,
+                            price, scalar)
     return progs
 
 
-def _copy_programs(cfg: Config, local: Config, cache, state, mesh, slots: int, dtype: str,
-                   price: dict, scalar) -> list[Program]:
+def _copy_programs(cfg: Config, local: Config, params, cache, state, mesh, slots: int,
+                   dtype: str, price: dict, scalar) -> list[Program]:
     """The engine's copy programs: move_lane (one lane's GDN slot, pending count and LaneState
     row to another slot) and the snapshot save / restore (a lane's recurrent state and conv
     tail to / from a slot of the store). Their floor: one lane's GDN slot (move_lane) or one
@@ -249,7 +250,9 @@ def _copy_programs(cfg: Config, local: Config, cache, state, mesh, slots: int, d
                 (CACHE, CACHE, OTHER, OTHER), Reads(0, 0, 0, 0, 0, 1, **one), dtype, mesh,
                 ("snapshot",)),
         Program("snapshot_restore", snapshots.restore,
-                (cache, store, scalar(i32), scalar(i32)), kw, (CACHE, CACHE, OTHER, OTHER),
+                (cfg, params, cache, store, scalar(i32), scalar(i32),
+                 snapshots.Rewrite(*(scalar(i32) for _ in range(5)))), kw,
+                (None, WEIGHT, CACHE, CACHE, OTHER, OTHER, OTHER),
                 Reads(0, 0, 0, 0, 0, 1, **one), dtype, mesh, ("snapshot_restore",)),
     ]
 

@@ -111,6 +111,10 @@ class Cache:
                                 # attention) or GdnCache (Gated DeltaNet)
     mtp: ContiguousKV | PagedKV | None  # the MTP layer's own KV
     n_pend: jax.Array           # i32[B]: pending tokens to replay at the next step (all layers)
+    mtp_h: jax.Array | None = None  # [B, H]: per lane, the target's post-norm hidden state at
+                                # the last position of its latest prefill chunk (MTP models):
+                                # a prefix-cache snapshot keeps it, so a hit whose next token
+                                # differs can rewrite the MTP KV there (engine/snapshots.py)
 
     @property
     def gdn(self) -> tuple:
@@ -182,6 +186,7 @@ def _cache(cfg: Config, batch: int, P: int, dt, kv) -> Cache:
         layers=tuple(kv() if kind == FULL else gdn() for kind in cfg.layer_types),
         mtp=kv() if cfg.has_mtp else None,
         n_pend=jnp.zeros((batch,), jnp.int32),
+        mtp_h=jnp.zeros((batch, cfg.hidden_size), dt) if cfg.has_mtp else None,
     )
 
 
@@ -894,8 +899,15 @@ def mtp_fill_kv(cfg: Config, params: Params, cache: Cache, h_prev, next_tokens, 
     and lm_head (most of a draft's cost) are skipped. Arguments as in mtp_forward.
     Returns the cache.
     """
+    k, v = mtp_kv(cfg, params, h_prev, next_tokens, seg)
+    return dataclasses.replace(cache, mtp=kv_write(cache.mtp, k, v, seg))
+
+
+def mtp_kv(cfg: Config, params: Params, h_prev, next_tokens, seg: Segment):
+    """The MTP layer's K and V [B, T, NKV, HD] for aligned pairs (mtp_fill_kv, which writes
+    them; a prefix-cache restore rewrites one position with them, engine/snapshots.py)."""
     m = params.mtp
     x, cos, sin = _mtp_input(cfg, params, h_prev, next_tokens, seg)
     _, _, k, v = _project_qkv(cfg, m.layer.attn,
                               rmsnorm_1p(x, m.layer.input_layernorm, cfg.rms_norm_eps), cos, sin)
-    return dataclasses.replace(cache, mtp=kv_write(cache.mtp, k, v, seg))
+    return k, v

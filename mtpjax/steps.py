@@ -441,7 +441,27 @@ def _prefill_body(cfg: Config, params: Params, cache: Cache, chunk: Chunk, *, k:
                                        [model.Group(chunk.tokens, seg, "chunk")], kernels)
     if k > 0:
         cache = model.mtp_fill_kv(cfg, params, cache, h, chunk.next_tokens, seg)
+        cache = keep_last_hidden(cache, h, chunk)
     return cache
+
+
+def keep_last_hidden(cache: Cache, h, chunk: Chunk) -> Cache:
+    """Keep each chunk row's hidden state at its last position (h [R, T, H]) in its lane's
+    `Cache.mtp_h` row: a snapshot saved after the chunk (a prefix-cache boundary L) takes
+    h(L-1) along, so a later hit at L whose token L differs can rewrite the MTP KV at L-1
+    (engine/snapshots.py `restore`). Rows with no valid token keep the old value."""
+    if cache.mtp_h is None:
+        return cache
+    n = chunk.n_valid if chunk.packed else chunk.n_valid[None]
+    last = jnp.take_along_axis(h, jnp.maximum(n - 1, 0)[:, None, None], axis=1)[:, 0]  # [R, H]
+    if chunk.packed:    # padding rows and empty rows name a slot out of range: dropped
+        lane = jnp.where(n > 0, chunk.lane, cache.mtp_h.shape[0])
+        mtp_h = cache.mtp_h.at[lane].set(last.astype(cache.mtp_h.dtype), mode="drop")
+    else:
+        old = lax.dynamic_slice_in_dim(cache.mtp_h, chunk.lane, 1)
+        row = jnp.where(n[:, None] > 0, last.astype(old.dtype), old)
+        mtp_h = lax.dynamic_update_slice_in_dim(cache.mtp_h, row, chunk.lane, 0)
+    return dataclasses.replace(cache, mtp_h=mtp_h)
 
 
 @partial(jax.jit, static_argnames=("cfg", "k", "kernels", "mesh", "fill_mtp_kv"),
@@ -553,6 +573,7 @@ def _decode_body(cfg: Config, params: Params, cache: Cache, state: LaneState, la
     if chunk is not None and K > 0:
         cache = model.mtp_fill_kv(cfg, params, cache, hs[0], chunk.next_tokens,
                                   chunk.segment())
+        cache = keep_last_hidden(cache, hs[0], chunk)
     h = hs[-1]
     if allowed is not None and allowed.shape[:2] != (B, k + 1):
         raise ValueError(f"grammar masks must be [B={B}, k+1={k + 1}, words], got "

@@ -235,7 +235,7 @@ def sharded_abstract_params(cfg: Config, mesh: Mesh, dtype="bfloat16") -> Params
 
 def cache_specs(cache):
     """PartitionSpecs for a model.Cache: KV by head, GDN state by value head (conv by channel),
-    n_pend replicated."""
+    n_pend and the MTP's saved hidden state replicated."""
     from mtpjax import model  # model imports nothing from here; avoid a cycle at import time
 
     def kv_spec(kv):
@@ -252,7 +252,8 @@ def cache_specs(cache):
         return kv_spec(c)
 
     return model.Cache(layers=tuple(layer_spec(c) for c in cache.layers),
-                       mtp=None if cache.mtp is None else kv_spec(cache.mtp), n_pend=P())
+                       mtp=None if cache.mtp is None else kv_spec(cache.mtp), n_pend=P(),
+                       mtp_h=None if cache.mtp_h is None else P())
 
 
 def init_paged_cache(cfg: Config, mesh: Mesh | None, lanes: int, num_pages: int,
@@ -275,21 +276,24 @@ def sharded_cache(cfg: Config, mesh: Mesh | None, make):
 
 
 def on_mesh(body, cfg: Config, mesh: Mesh | None, params, cache, *rest, n_out: int,
-            cache_at: int = 0):
+            cache_at: int = 0, rest_specs: tuple | None = None, out_specs: tuple | None = None):
     """body(cfg, params, cache, *rest) -> n_out outputs, one of them (at cache_at) the cache:
     as is (mesh None), or under shard_map with the per-shard config: weights and caches by
     their tensor-parallel specs, everything else (lane state, sampling settings, tokens, page
-    tables) replicated in and out."""
+    tables) replicated in and out, unless rest_specs / out_specs (one spec per rest argument /
+    output, the cache's included) say otherwise (a snapshot store is sharded too)."""
     if mesh is None:
         return body(cfg, params, cache, *rest)
     tp = mesh_tp(mesh)
     cs = cache_specs(cache)
-    outs = tuple(cs if i == cache_at else P() for i in range(n_out))
+    outs = (tuple(cs if i == cache_at else P() for i in range(n_out)) if out_specs is None
+            else tuple(out_specs))
+    rests = (P(),) * len(rest) if rest_specs is None else tuple(rest_specs)
     pspecs = param_specs(cfg, tp) if tp > 1 else jax.tree.map(lambda _: P(), params)
     if tp > 1 and params.draft is not None:    # the draft vocabulary's head: rows split
         from mtpjax.draft_vocab import head_spec
         pspecs = dataclasses.replace(pspecs, draft=head_spec(tp))
-    f = spmd(partial(body, shard_config(cfg, tp)), mesh, (pspecs, cs) + (P(),) * len(rest), outs)
+    f = spmd(partial(body, shard_config(cfg, tp)), mesh, (pspecs, cs) + rests, outs)
     return f(params, cache, *rest)
 
 

@@ -319,18 +319,19 @@ def test_siblings_wait_for_the_first_prefill_and_prefill_only_their_tail():
     assert [o.stats.cached_tokens for o in outs] == [0, 28, 28]
 
 
-@pytest.mark.parametrize("k,share", [(0, 40), (2, 36)])
-def test_requests_arriving_together_prefill_a_shared_system_prompt_once(k, share):
+@pytest.mark.parametrize("k", [0, 2])
+def test_requests_arriving_together_prefill_a_shared_system_prompt_once(k):
     """Four requests on one 40-token system prompt, each with its own 5-token message,
     submitted together: the first prefills the prompt and cuts a chunk at the share point
-    (the deepest page boundary whose key the others share: 40 without speculation; 36 with
-    it, whose key holds the token after the boundary, where the messages differ), the others
-    wait for its entry and prefill only what follows; outputs read through the shared pages
-    are right (mock model)."""
+    (the deepest page boundary whose key the others share: 40, where the messages differ; with
+    speculation each hit rewrites the MTP KV at 39 in a page of its own), the others wait for
+    its entry and prefill only what follows; outputs read through the shared pages are right
+    and no cached page is written (mock model)."""
+    share = 40
     page_size, n_sys = 4, 40
     alloc = PageAllocator(80, page_size, 4, 20)
     cache = PrefixCache(alloc, num_slots=8, snapshot_pages=0, every_blocks=16,
-                        next_token_in_key=k > 0)      # no grid point below 64 tokens
+                        mtp_kv=k > 0)      # no grid point below 64 tokens
     m = FrozenGuardMock(alloc, k)
     s = Scheduler(alloc, num_draft_slots=k, max_seq_len=72, prefill_chunk=16,
                   prefix_cache=cache)
@@ -353,6 +354,7 @@ def test_requests_arriving_together_prefill_a_shared_system_prompt_once(k, share
     assert all(o.token_ids == expected(p, 6) for o, p in zip(outs, prompts))
     assert [o.stats.cached_tokens for o in outs] == [0, share, share, share]
     assert any(end == share for _, end in first_chunks), first_chunks   # the cut
+    assert cache.stats.rewrites == (3 if k else 0)
 
 
 def _cache(pages=20, slots=2, snap_pages=1):
@@ -360,7 +362,7 @@ def _cache(pages=20, slots=2, snap_pages=1):
     return a, PrefixCache(a, num_slots=slots, snapshot_pages=snap_pages, every_blocks=2)
 
 
-def test_key_includes_the_token_after_the_prefix_and_the_longest_hit_wins():
+def test_key_is_the_prefix_and_the_longest_hit_wins():
     a, c = _cache()
     seq = list(range(1, 13))                                  # 12 tokens
     a.reserve(0, 12)
@@ -368,12 +370,33 @@ def test_key_includes_the_token_after_the_prefix_and_the_longest_hit_wins():
     assert put(c, seq, 8, 0) is None                          # already cached: touched
     a.free(0)
     a.check()
-    assert c.lookup(seq[:8] + [99, 5]).length == 4            # token 8 differs: only L=4
+    e = c.lookup(seq[:8] + [99, 5])                           # token 8 differs: still L=8,
+    assert e.length == 8 and c.needs_rewrite(e, seq[:8] + [99, 5])   # MTP KV at 7 rewritten
+    assert e.next_token == seq[8] and not c.needs_rewrite(e, seq[:9] + [0, 0])
     assert c.lookup(seq[:9] + [0, 0]).length == 8
     assert c.lookup(seq[:8]).length == 4                      # L < len: a token to prefill
     assert c.lookup([7] + seq[1:]) is None
     e = c.lookup(seq)
     assert e.pages == tuple(a.lane_pages(0) or e.pages) and len(e.pages) == 2
+
+
+def test_copy_on_write_gives_the_lane_its_own_last_page():
+    a, c = _cache()
+    seq = list(range(1, 13))
+    a.reserve(0, 12)
+    put(c, seq, 8, 0)
+    a.free(0)
+    e = c.lookup(seq[:8] + [99])
+    a.share(1, e.pages)
+    src, dst = a.copy_on_write(1, 1)
+    assert src == e.pages[1] and dst not in e.pages
+    assert a.lane_pages(1) == [e.pages[0], dst] and not a._frozen[dst]
+    a.check()
+    a.free(1)
+    assert c.lookup(seq[:8] + [99]) is e                      # the entry keeps its pages
+    a.check()
+    with pytest.raises(ValueError, match="not index 2"):
+        a.copy_on_write(1, 2)
 
 
 def test_lru_eviction_reclaims_pages_before_anything_else():
@@ -640,14 +663,59 @@ def test_a_hit_restores_the_state_a_full_prefill_computes():
         np.testing.assert_allclose(c1, c0, rtol=1e-5, atol=1e-6)
 
 
-def test_without_speculation_the_next_token_is_not_part_of_the_key():
+def _mtp_kv(e, pages, n):
+    """The MTP layer's K and V at positions [0, n) through a page list."""
+    pos = np.arange(n)
+    page, slot = np.asarray(pages)[pos // e.alloc.page_size], pos % e.alloc.page_size
+    return [np.asarray(a)[:, page, slot] for a in (e.cache.mtp.k, e.cache.mtp.v)]
+
+
+def _mtp_kv_after_prefill(e, prompt):
+    """Run a session until the request's prefill is done; the MTP KV of its prefilled
+    positions [0, len(prompt) - 1) through lane 0's pages."""
+    e.start()
+    assert e.submit(0, prompt, SamplingParams(max_new_tokens=4)) is None
+    while e._sched.lanes[0] is None or e._sched.lanes[0].prefilling:
+        e.step()
+    got = _mtp_kv(e, e.alloc.lane_pages(0), len(prompt) - 1)
+    e.stop()
+    return got
+
+
+def test_a_hit_with_another_next_token_rewrites_the_mtp_kv_in_its_own_page():
+    """Two prompts share 20 tokens (a page boundary) and differ at token 20. The second hits
+    the first's head at 20 although the MTP KV at 19 was made with the first's token 20: its
+    lane gets its own copy of the last cached page, and the restore rewrites position 19 from
+    the snapshot's h(19). Its MTP KV equals a full prefill's (cache off), and the cached page
+    still holds the first prompt's (the next request with token 20 = a reads it as it is)."""
+    rng = np.random.default_rng(5)
+    system = [int(t) for t in rng.integers(0, 11, 20)]
+    a, b = system + [3, 7, 1], system + [8, 2, 9]
+    want_a = _mtp_kv_after_prefill(engine(2, False), a)
+    want_b = _mtp_kv_after_prefill(engine(2, False), b)
+    assert np.abs(want_a[0][:, 19] - want_b[0][:, 19]).max() > 1e-2   # token 20 acts at 19
+    e = engine(2, True)
+    e.generate([a], SamplingParams(max_new_tokens=1))             # caches 8, 16, 20 (head)
+    got_b = _mtp_kv_after_prefill(e, b)
+    pc = e.stats()["prefix_cache"]
+    assert pc["tokens_reused"] == 20 and pc["mtp_kv_rewrites"] == 1, pc
+    for g, w in zip(got_b, want_b):      # (chunked differently: float32 rounding only)
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-5)
+    entry = e.core.prefix.lookup(a)
+    assert entry.length == 20 and entry.next_token == 3
+    for g, w in zip(_mtp_kv(e, entry.pages, 20), want_a):
+        np.testing.assert_allclose(g, w[:, :20], rtol=1e-5, atol=1e-6)
+
+
+def test_without_speculation_a_hit_never_rewrites():
     a = PageAllocator(20, 4, 3, 8)
-    c = PrefixCache(a, num_slots=2, snapshot_pages=1, every_blocks=2, next_token_in_key=False)
+    c = PrefixCache(a, num_slots=2, snapshot_pages=1, every_blocks=2, mtp_kv=False)
     seq = list(range(1, 13))
     a.reserve(0, 12)
     put(c, seq, 8, 0)
     a.free(0)
-    assert c.lookup(seq[:8] + [99, 5]).length == 8            # no MTP KV depends on token 8
+    e = c.lookup(seq[:8] + [99, 5])                           # no MTP KV depends on token 8
+    assert e.length == 8 and e.next_token is None and not c.needs_rewrite(e, seq[:8] + [99])
     assert c.lookup(seq[:7] + [99, 5]) is None
 
 
@@ -658,7 +726,7 @@ def test_tensor_parallel_snapshots_restore_per_shard():
     kw = dict(num_speculative_tokens=2, max_lanes=2, max_seq_len=64, prefill_chunk=8,
               page_size=4, kernels="reference", snapshot_every_blocks=2)
     rng = np.random.default_rng(11)
-    system = [int(t) for t in rng.integers(0, 13, 11)]
+    system = [int(t) for t in rng.integers(0, 13, 12)]   # a page boundary: MTP KV rewrites
     prompts = [system + [int(t) for t in rng.integers(0, 13, 3)] for _ in range(3)]
     sp = SamplingParams(max_new_tokens=6)
     outs = {}
@@ -668,5 +736,6 @@ def test_tensor_parallel_snapshots_restore_per_shard():
         first = e.generate(prompts, sp)
         second = e.generate([p + o.token_ids + [1, 2] for p, o in zip(prompts, first)], sp)
         outs[tp] = [o.token_ids for o in first + second]
-        assert e.stats()["prefix_cache"]["hits"] >= 3
+        pc = e.stats()["prefix_cache"]
+        assert pc["hits"] >= 3 and pc["mtp_kv_rewrites"] >= 1, pc
     assert outs[2] == outs[1]

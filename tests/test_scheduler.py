@@ -126,8 +126,25 @@ class MockModel:
         self.last[row.lane] = (row.join_token, row.pos)
         self.drafts[row.lane] = [0] * self.k
 
+    def restore(self, lane, fix):
+        """A prefix hit's restore (snapshots.restore): GDN state is the mock's oracle, so only
+        the MTP KV rewrite acts: page src copied into the lane's own page dst, then the MTP
+        KV at L-1 written there with the request's token L."""
+        if fix is None:
+            return
+        src, dst, token, pos = fix
+        ps = self.alloc.page_size
+        assert int(self.alloc.table[lane, pos // ps]) == dst, "the rewrite's page is not the lane's"
+        for pool in (self.pool, self.mtp_pool):
+            for j in range(ps):
+                if (src, j) in pool:
+                    pool[(dst, j)] = pool[(src, j)]
+        self.write(lane, pos, token, mtp=True)
+
     def step(self, sched, plan):
-        """Run a plan's chunk and decode rows, report them, as the engine does."""
+        """Run a plan's restores, chunk and decode rows, report them, as the engine does."""
+        for lane, _, fix in plan.restores:
+            self.restore(lane, fix)
         for w in plan.prefills:
             self.prefill(w)
         results = []

@@ -226,7 +226,8 @@ class Batch:
     depth: int
     lanes: int
     moves: tuple[tuple[int, int], ...] = ()      # (src, dst) lane moves, first
-    restores: tuple[tuple[int, int], ...] = ()   # (lane, snapshot slot), after the moves
+    restores: tuple[tuple, ...] = ()   # (lane, snapshot slot, MTP KV rewrite: None or
+                                       # (src page, dst page, token L, L-1)), after the moves
     chunk: ChunkInput | None = None
     snapshots: tuple[tuple[int, int], ...] = ()  # (lane, slot): save a chunk lane's GDN state
                                                  # there after the step

@@ -82,7 +82,7 @@ class EngineCore:
             # that requests take back on demand, and the cache never lowers request capacity.
             self.prefix = PrefixCache(self.alloc, num_slots=snapshot_slots, snapshot_pages=0,
                                       snapshot_bytes=snapshot_bytes, every_blocks=every_blocks,
-                                      next_token_in_key=self.num_draft_slots > 0)
+                                      mtp_kv=self.num_draft_slots > 0)
         # penalties: each lane slot's token history (prompt + output, -1 past it) as the
         # steps take it, and whose it is: (the Request object, tokens written)
         self._history = np.full((shapes.lane_slots, shapes.history_len), -1, np.int32)
@@ -169,7 +169,7 @@ class EngineCore:
                                       snapshot_pages=old.snapshot_pages,
                                       snapshot_bytes=old.snapshot_bytes,
                                       every_blocks=old.every_blocks,
-                                      next_token_in_key=bool(old.extra),
+                                      mtp_kv=old.mtp_kv,
                                       live_s=old.live_s, clock=old.clock)
             self.prefix.stats = old.stats
 

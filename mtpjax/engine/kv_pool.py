@@ -242,6 +242,23 @@ class PageAllocator:
         self._owned[lane] = len(pages)
         self._refs[pages] += 1
 
+    def copy_on_write(self, lane: int, index: int) -> tuple[int, int]:
+        """Give the lane a page of its own at table index `index` in place of the shared one
+        it holds there (a prefix hit whose last cached page it must change: its MTP KV at the
+        boundary's last position, snapshots.Rewrite); returns (shared page, new page). The
+        new page is taken while the lane still holds the shared one, so they differ; the
+        device copies one into the other before anything writes either. Raises
+        OutOfPagesError (the lane keeps the shared page) when the pool has no page."""
+        if not 0 <= index < self._owned[lane]:
+            raise ValueError(f"lane {lane} holds {self._owned[lane]} pages, not index {index}")
+        self._ensure_free(1)
+        if not self._free:
+            raise OutOfPagesError(lane, 1, 0, self.num_pages, self.page_size)
+        src, dst = int(self._table[lane, index]), self._pop()
+        self._table[lane, index] = dst
+        self._release([src])
+        return src, dst
+
     def hold(self, pages) -> None:
         """The prefix cache keeps these (owned) pages; they become read-only (frozen)."""
         for p in pages:

@@ -9,18 +9,18 @@ is therefore a *boundary* L (a multiple of the page size) with:
     layer), held by reference count in the page pool (kv_pool.PageAllocator.hold);
   - a snapshot slot: every GDN layer's recurrent state and conv tail after position L-1
     (mtpjax/engine/snapshots.py holds them on the device);
-  - its key: the tokens [0, L] -- one past the boundary. The MTP KV at position L-1 is made
-    from the target's hidden state at L-1 AND the embedding of token L (spec §5.3), so the
-    last cached page is right only for requests whose token L matches too. A hit needs the
-    request to have token L anyway: the prefill after the hit starts at L and must feed at
-    least one token to sample the first output.
+  - its key: the tokens [0, L). A hit needs the request to have token L too: the prefill
+    after the hit starts at L and must feed at least one token to sample the first output;
+  - on an MTP engine (`mtp_kv=True`), the token L it was prefilled with (`next_token`). The
+    MTP KV at position L-1 is made from the target's hidden state at L-1 AND the embedding
+    of token L (spec §5.3), so the last cached page is right as it is only for requests
+    whose token L matches. A hit whose token L differs (`needs_rewrite`: requests that share
+    a system prompt ending exactly at a boundary, each with its own message) gets a page of
+    its own in place of the last one, and the restore rewrites the MTP KV at L-1 there from
+    h(L-1), which the snapshot keeps (snapshots.Rewrite): every such request hits at L.
 
-Keys are a hash chain over page-sized blocks (block i's hash covers blocks 0..i), plus token
-L; a hit compares the stored tokens too, so a hash collision can never serve wrong state. An
-engine without speculation writes no MTP KV, and its keys leave token L out
-(`next_token_in_key=False`). The cost of the extra token: requests that share a prefix ending
-exactly at a boundary but differ right after it reuse only up to the previous boundary (each
-such variant caches its own entry at the boundary when it prefills).
+Keys are a hash chain over page-sized blocks (block i's hash covers blocks 0..i); a hit
+compares the stored tokens too, so a hash collision can never serve wrong state.
 
 Which boundaries a prompt inserts (`PrefixCache.keeps`): snapshots are taken at the ends of
 prefill chunks, which the scheduler cuts at multiples of the chunk length (the iteration's
@@ -122,8 +122,7 @@ PAGE_ORDER = (0, 2, 1)
 @dataclasses.dataclass(eq=False)
 class Entry:
     length: int                  # L: the prefix [0, L) is cached
-    tokens: tuple[int, ...]      # tokens [0, L] (the prefix and the token after it), or
-                                 # [0, L) when next tokens are not keyed
+    tokens: tuple[int, ...]      # tokens [0, L)
     pages: tuple[int, ...]       # page ids of positions [0, L)
     slot: int                    # snapshot slot on the device
     charge: tuple[int, ...]      # pool pages the snapshot is charged
@@ -133,12 +132,15 @@ class Entry:
     used_at: float = 0.0         # clock time of its last insert or hit
     hit_at: float | None = None  # clock time of its last hit that counts as sharing
     hashes: tuple[int, ...] = ()  # block_hashes of its prefix: its path (`is_junction`)
+    next_token: int | None = None  # token L it was prefilled with (MTP engines: the MTP KV at
+                                   # L-1 in its last page is made with it)
 
 
 @dataclasses.dataclass
 class PrefixCacheStats:
     lookups: int = 0             # admissions that looked the cache up
     hits: int = 0
+    rewrites: int = 0            # hits whose MTP KV at L-1 was rewritten (`needs_rewrite`)
     lookup_tokens: int = 0       # prompt tokens of those admissions
     tokens_reused: int = 0       # prompt tokens whose prefill hits skipped
     inserted: int = 0
@@ -157,7 +159,7 @@ class PrefixCache:
     seconds a head or a hit protects an entry; clock: seconds (tests pass their own)."""
 
     def __init__(self, alloc: PageAllocator, *, num_slots: int, snapshot_pages: int,
-                 snapshot_bytes: int = 0, every_blocks: int = 4, next_token_in_key: bool = True,
+                 snapshot_bytes: int = 0, every_blocks: int = 4, mtp_kv: bool = True,
                  live_s: float = 600.0, clock: Callable[[], float] = time.monotonic):
         if num_slots < 1:
             raise ValueError(f"the prefix cache needs at least one snapshot slot, got {num_slots}")
@@ -169,7 +171,7 @@ class PrefixCache:
         self.num_slots, self.snapshot_pages = num_slots, snapshot_pages
         self.snapshot_bytes, self.every_blocks = snapshot_bytes, every_blocks
         self.live_s, self.clock = float(live_s), clock
-        self.extra = int(next_token_in_key)      # key tokens past the boundary: 1 or 0
+        self.mtp_kv = mtp_kv             # entries carry MTP KV: they record token L
         self.entries: collections.OrderedDict[tuple, Entry] = collections.OrderedDict()  # LRU first
         self.pending: dict[int, Entry] = {}      # slot -> entry whose snapshot is being saved
         self.free_slots = list(range(num_slots - 1, -1, -1))
@@ -205,8 +207,8 @@ class PrefixCache:
                 and not self._on_path(hashes, L + step))
 
     # ---------------------------------------------------------------- lookup
-    def _key(self, hashes: list[int], tokens, L: int) -> tuple:
-        return (hashes[L // self.page_size - 1],) + tuple(int(t) for t in tokens[L:L + self.extra])
+    def _key(self, hashes: list[int], L: int) -> tuple:
+        return (hashes[L // self.page_size - 1],)
 
     def _touch(self, key: tuple, e: Entry) -> None:
         """A use of e: most recently used, and a head's protection starts again."""
@@ -221,9 +223,9 @@ class PrefixCache:
             return None
         hashes = block_hashes(tokens[:n - 1], self.page_size)
         for L in range(len(hashes) * self.page_size, 0, -self.page_size):
-            key = self._key(hashes, tokens, L)
+            key = self._key(hashes, L)
             e = self.entries.get(key)
-            if e is not None and e.tokens == tuple(tokens[:L + self.extra]):
+            if e is not None and e.tokens == tuple(tokens[:L]):
                 return key, e
         return None
 
@@ -246,17 +248,23 @@ class PrefixCache:
 
     def pending_at(self, tokens, L: int) -> bool:
         """Whether an entry for tokens' prefix [0, L) is being saved (inserted, unpublished)."""
-        if L <= 0 or L % self.page_size or L + self.extra > len(tokens) or not self.pending:
+        if L <= 0 or L % self.page_size or L > len(tokens) or not self.pending:
             return False
-        want = tuple(int(t) for t in tokens[:L + self.extra])
+        want = tuple(int(t) for t in tokens[:L])
         return any(e.tokens == want for e in self.pending.values())
 
-    def admitted(self, n_tokens: int, hit: Entry | None) -> None:
+    def needs_rewrite(self, hit: Entry, tokens) -> bool:
+        """Whether a hit on `hit` by `tokens` needs the MTP KV at L-1 rewritten (a page of its
+        own for the lane: module docstring): an MTP entry prefilled with another token L."""
+        return hit.next_token is not None and int(tokens[hit.length]) != hit.next_token
+
+    def admitted(self, n_tokens: int, hit: Entry | None, rewrite: bool = False) -> None:
         """Count an admission of a sequence of n_tokens that looked the cache up."""
         self.stats.lookups += 1
         self.stats.lookup_tokens += n_tokens
         if hit is not None:
             self.stats.hits += 1
+            self.stats.rewrites += rewrite
             self.stats.tokens_reused += hit.length
 
     # ---------------------------------------------------------------- insert / evict
@@ -273,7 +281,7 @@ class PrefixCache:
             raise ValueError(f"a boundary must be a positive multiple of {self.page_size} "
                              f"below the sequence length {len(tokens)}, got {L}")
         hashes = block_hashes(tokens[:L], self.page_size)
-        key = self._key(hashes, tokens, L)
+        key = self._key(hashes, L)
         if key in self.entries:
             e = self.entries[key]
             self._touch(key, e)
@@ -297,9 +305,10 @@ class PrefixCache:
             self.alloc.unhold(pages)
             return None
         slot = self.free_slots.pop()
-        self.pending[slot] = Entry(L, tuple(int(t) for t in tokens[:L + self.extra]),
-                                   tuple(pages), slot, tuple(charge), key, head=head,
-                                   hit_at=0.0 if shared else None)
+        self.pending[slot] = Entry(L, tuple(int(t) for t in tokens[:L]), tuple(pages), slot,
+                                   tuple(charge), key, head=head,
+                                   hit_at=0.0 if shared else None,
+                                   next_token=int(tokens[L]) if self.mtp_kv else None)
         return slot
 
     def publish(self, slot: int) -> None:
@@ -309,7 +318,7 @@ class PrefixCache:
         e.used_at = self.clock()
         if e.hit_at is not None:            # a junction: shared from its publication on
             e.hit_at = e.used_at
-        e.hashes = tuple(block_hashes(e.tokens[:e.length], self.page_size))
+        e.hashes = tuple(block_hashes(e.tokens, self.page_size))
         self.paths.update(e.hashes)
         self.stats.inserted += 1
         if e.head:
@@ -321,9 +330,9 @@ class PrefixCache:
         made does not count as sharing; they keep their place in the LRU order."""
         ps = self.page_size
         for L in range(ps, e.length, ps):
-            key = self._key(e.hashes, e.tokens, L)
+            key = self._key(e.hashes, L)
             old = self.entries.get(key)
-            if old is not None and old.head and old.tokens == e.tokens[:L + self.extra]:
+            if old is not None and old.head and old.tokens == e.tokens[:L]:
                 old.head, old.hit_at = False, None
                 self.stats.superseded += 1
 
@@ -409,6 +418,7 @@ class PrefixCache:
         s = self.stats
         return {"lookups": s.lookups, "hits": s.hits,
                 "hit_rate": s.hits / s.lookups if s.lookups else 0.0,
+                "mtp_kv_rewrites": s.rewrites,
                 "tokens_reused": s.tokens_reused,
                 "reused_fraction": s.tokens_reused / s.lookup_tokens if s.lookup_tokens else 0.0,
                 "snapshots": len(self.entries), "snapshot_slots": self.num_slots,

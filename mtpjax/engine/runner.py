@@ -338,10 +338,11 @@ class ModelRunner:
             (self.cache, self.state), _ = self._program(("move_lane",), lambda: steps.move_lane(
                 self.cache, self.state, jnp.int32(src), jnp.int32(dst), mesh=self.mesh))
             self.timing["lane_moves"] += 1
-        for lane, slot in batch.restores:      # prefix hits: GDN state at the cached boundary
+        for lane, slot, fix in batch.restores:   # prefix hits: GDN state at the boundary
             (self.cache, self.snaps), _ = self._program(
                 ("snapshot_restore",), lambda: snapshots.restore(
-                    self.cache, self.snaps, jnp.int32(lane), jnp.int32(slot), mesh=self.mesh))
+                    self.cfg, self.params, self.cache, self.snaps, jnp.int32(lane),
+                    jnp.int32(slot), snapshots.Rewrite.make(fix), mesh=self.mesh))
         others = bool(batch.moves or batch.restores)
         if others and serial and not clocked:
             # each program is timed to completion: dispatch is asynchronous, so a move's or
@@ -628,8 +629,9 @@ class ModelRunner:
                                                      jnp.int32(0), mesh=self.mesh)
             jax.block_until_ready(self.state)
         elif key == ("snapshot_restore",):
-            self.cache, self.snaps = snapshots.restore(self.cache, self.snaps, jnp.int32(0),
-                                                       jnp.int32(0), mesh=self.mesh)
+            self.cache, self.snaps = snapshots.restore(
+                self.cfg, self.params, self.cache, self.snaps, jnp.int32(0), jnp.int32(0),
+                snapshots.Rewrite.make(None), mesh=self.mesh)
             jax.block_until_ready(self.cache)
         elif key == ("snapshot",):
             self.cache, self.snaps = snapshots.save(self.cache, self.snaps, jnp.int32(0),

@@ -149,6 +149,7 @@ class Lane:
     pos: int = -1             # decode: absolute position of the last token fed (-1: not yet)
     drafts: int = 0           # real drafts the lane holds for its next step (0..K)
     restore: int | None = None   # prefix hit: snapshot slot to load before its next prefill
+    rewrite: tuple | None = None  # and its MTP KV rewrite: (src page, dst page, token L, L-1)
     reset: bool = False       # its GDN state belongs to seq (a chunk from 0 ran, or a restore)
     snapped: int = 0          # its last snapshot boundary (prefix cache)
     # the overlapped loop: tokens the lane's launched, not yet committed decode steps may
@@ -215,7 +216,8 @@ class StepBatch:
     preempted: tuple[int, ...] = ()   # request ids preempted while planning
     moves: tuple[tuple[int, int], ...] = ()   # (src, dst) lane moves to apply first (compaction)
     view: "StepView | None" = None
-    restores: tuple[tuple[int, int], ...] = ()   # (lane, snapshot slot): after moves, first
+    restores: tuple[tuple, ...] = ()   # (lane, snapshot slot, MTP KV rewrite or None): after
+                                       # moves, first (snapshots.Rewrite)
 
     @property
     def decode(self) -> tuple[int, ...]:
@@ -454,8 +456,7 @@ class Scheduler:
     def _awaits_prefix(self, seq: list[int]) -> bool:
         """Whether seq should wait before admission for the prefix-cache entry at its last
         page boundary B: the entry is pending (its snapshot is being saved), or a lane whose
-        sequence has the same tokens through B (and the keyed token after it), and B as its
-        own last page boundary, has not prefilled up to B yet (it will insert B there, as its
+        sequence has the same tokens [0, B) (the key), and B as its own last page boundary, has not prefilled up to B yet (it will insert B there, as its
         head: `prefill_done`). Then seq's prefill would repeat that lane's, token for token;
         waiting one prefill makes seq a hit at B instead (n > 1 siblings share their prompt's
         prefill this way). Never a deadlock: the lane runs (oldest prefilling lane first) or
@@ -467,34 +468,33 @@ class Scheduler:
             return False
         if self.cache.pending_at(seq, B):
             return True
-        n = B + self.cache.extra
         if any(ln is not None and ln.prefilled < B and ln.snapped < B
-               and self._last_page(ln) == B and ln.seq[:n] == seq[:n]
+               and self._last_page(ln) == B and ln.seq[:B] == seq[:B]
                for ln in self.lanes):
             return True
         return self._share_wait(seq)
 
     def _share_wait(self, seq: list[int]) -> bool:
         """Whether seq should wait for a share point: the deepest page boundary P it shares
-        (tokens [0, P + extra], the key) with a lane still prefilling, when a hit at P saves
+        (tokens [0, P), the key) with a lane still prefilling, when a hit at P saves
         seq at least one prefill chunk (a system prompt shared by requests that arrive
         together, each with its own message; each chunk saved is a row of a packed step that
         another lane gets). The lane cuts a chunk at P and inserts the entry there
         (`Lane.shares`, `_chunk_end`, `prefill_done`), and seq is admitted as a hit at P once
         it is published: the shared prefix is prefilled once, as the rule for identical
-        prompts does for a whole prompt. An MTP engine keys a boundary with the token after
-        it, so where messages differ right at a page boundary (a 64-token system prompt) its
-        share point is the boundary before. Registers P on the lane (the oldest
+        prompts does for a whole prompt; where messages differ right at the boundary (a
+        64-token system prompt), an MTP engine's hit rewrites the MTP KV at P-1
+        (snapshots.Rewrite). Registers P on the lane (the oldest
         lane sharing the deepest prefix); no deadlock: the lane prefills (oldest first) or
         ends or is preempted, and a pending entry is published or dropped by its step."""
-        ps, x = self.alloc.page_size, self.cache.extra
+        ps = self.alloc.page_size
         mine = (len(seq) - 1) // ps * ps                   # seq's own last boundary
         best = None
         for ln in self.lanes:
             if ln is None or not ln.prefilling:
                 continue
             c = _common(seq, ln.seq)
-            P = min((c - x) // ps * ps, mine, self._last_page(ln))
+            P = min(c // ps * ps, mine, self._last_page(ln))
             if P > 0 and (best is None or P > best[0]):
                 best = (P, ln)
         if best is None:
@@ -518,21 +518,27 @@ class Scheduler:
                 return
             lane = self.lanes.index(None)
             hit = self.cache.lookup(seq) if self.cache is not None else None
+            # an MTP entry prefilled with another token L: the lane gets its own last page
+            cow = hit is not None and self.cache.needs_rewrite(hit, seq)
             if hit is not None:
                 self.alloc.share(lane, hit.pages)
-            need = self.alloc.needed(lane, tokens_touched_decode(len(seq) - 1, 0))
+            need = self.alloc.needed(lane, tokens_touched_decode(len(seq) - 1, 0)) + cow
             if self.alloc.available - self._promised() < need:
                 self.alloc.free(lane)
                 return
             self.queue.pop(0)
             ln = Lane(req, seq)
             if self.cache is not None:
-                self.cache.admitted(len(seq), hit)
+                self.cache.admitted(len(seq), hit, cow)
             if not req.stats.preemptions:    # the first admission's hit is the request's
                 req.stats.cached_tokens = hit.length if hit is not None else 0
             if hit is not None:
                 ln.prefilled, ln.restore, ln.reset = hit.length, hit.slot, True
                 ln.snapped = hit.length
+                if cow:
+                    L = hit.length
+                    src, dst = self.alloc.copy_on_write(lane, L // self.alloc.page_size - 1)
+                    ln.rewrite = (src, dst, int(seq[L]), L - 1)
             if self.cache is not None:       # its path, for `prefill_done`'s junction
                 ln.hashes = block_hashes(seq, self.alloc.page_size)
             self.lanes[lane] = ln
@@ -648,8 +654,8 @@ class Scheduler:
         restores = []
         for b, ln in enumerate(self.lanes):
             if ln is not None and ln.restore is not None:
-                restores.append((b, ln.restore))
-                ln.restore = None
+                restores.append((b, ln.restore, ln.rewrite))
+                ln.restore = ln.rewrite = None
         self.step += 1
         return StepBatch(tuple(works), rows, depth if rows else 0, tuple(preempted), moves,
                          view, tuple(restores))
