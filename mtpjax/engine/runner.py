@@ -342,7 +342,8 @@ class ModelRunner:
             (self.cache, self.snaps), _ = self._program(
                 ("snapshot_restore",), lambda: snapshots.restore(
                     self.cfg, self.params, self.cache, self.snaps, jnp.int32(lane),
-                    jnp.int32(slot), snapshots.Rewrite.make(fix), mesh=self.mesh))
+                    jnp.int32(slot), snapshots.Rewrite.make(fix),
+                    rewrite=self.num_draft_slots > 0, mesh=self.mesh))
         others = bool(batch.moves or batch.restores)
         if others and serial and not clocked:
             # each program is timed to completion: dispatch is asynchronous, so a move's or
@@ -631,7 +632,7 @@ class ModelRunner:
         elif key == ("snapshot_restore",):
             self.cache, self.snaps = snapshots.restore(
                 self.cfg, self.params, self.cache, self.snaps, jnp.int32(0), jnp.int32(0),
-                snapshots.Rewrite.make(None), mesh=self.mesh)
+                snapshots.Rewrite.make(None), rewrite=self.num_draft_slots > 0, mesh=self.mesh)
             jax.block_until_ready(self.cache)
         elif key == ("snapshot",):
             self.cache, self.snaps = snapshots.save(self.cache, self.snaps, jnp.int32(0),

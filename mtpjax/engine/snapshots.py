@@ -132,13 +132,15 @@ def save(cache: model.Cache, snaps: Snapshots, lane, slot, *, mesh=None):
     return _on_mesh(body, mesh, cache, snaps, lane, slot)
 
 
-@partial(jax.jit, static_argnames=("cfg", "mesh"), donate_argnames=("cache", "snaps"))
+@partial(jax.jit, static_argnames=("cfg", "rewrite", "mesh"),
+         donate_argnames=("cache", "snaps"))
 def restore(cfg: Config, params, cache: model.Cache, snaps: Snapshots, lane, slot,
-            fix: Rewrite, *, mesh=None):
+            fix: Rewrite, *, rewrite: bool = False, mesh=None):
     """Write snapshot `slot` into lane's GDN state and conv tail, with nothing pending: the
-    lane continues as if it had prefilled the snapshot's prefix itself. With `fix` on (an MTP
-    model's hit whose token L differs from its entry's), also the copy on write of the last
-    cached page and the MTP KV rewrite at L-1 (module docstring)."""
+    lane continues as if it had prefilled the snapshot's prefix itself. rewrite: the engine
+    drafts (its prefix entries carry MTP KV); then, with `fix` on (a hit whose token L differs
+    from its entry's), also the copy on write of the last cached page and the MTP KV
+    rewrite at L-1 (module docstring)."""
     def body(cfg, params, cache, snaps, lane, slot, fix):
         gdn = iter(zip(snaps.conv, snaps.state))
         layers = []
@@ -155,7 +157,7 @@ def restore(cfg: Config, params, cache: model.Cache, snaps: Snapshots, lane, slo
         n_pend = lax.dynamic_update_slice_in_dim(cache.n_pend, jnp.zeros((1,), jnp.int32),
                                                  lane, 0)
         cache = dataclasses.replace(cache, layers=tuple(layers), n_pend=n_pend)
-        if snaps.h is not None and cache.mtp is not None and params.mtp is not None:
+        if rewrite:
             cache = _rewrite_mtp_kv(cfg, params, cache, lax.dynamic_slice_in_dim(
                 snaps.h, slot, 1), fix)
         return cache, snaps
