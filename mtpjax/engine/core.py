@@ -23,6 +23,7 @@ The core never sees a device array; the runner never sees a request.
 
 from __future__ import annotations
 
+import time
 from typing import Callable
 
 import numpy as np
@@ -62,11 +63,15 @@ class EngineCore:
 
     snapshot_slots: the prefix cache's GDN snapshot slots (None: no prefix cache);
     snapshot_bytes: one slot's size (reported). mask_drafts: correct constrained lanes'
-    drafts by their grammar before each step (an attribute: may change between steps)."""
+    drafts by their grammar before each step (an attribute: may change between steps).
+    now: the engine's time in seconds, which the prefix cache's ages are measured in (a
+    simulated clock's under one: the live_s protection of an entry lasts that clock's 10
+    minutes, as on the device it predicts, whatever the host's speed)."""
 
     def __init__(self, shapes: StepShapes, *, eos: tuple[int, ...], policy: Policy,
                  snapshot_slots: int | None, snapshot_bytes: int, every_blocks: int,
-                 mask_drafts: bool = True, simulate_acceptance=None, grammar_tokenizer=None):
+                 mask_drafts: bool = True, simulate_acceptance=None, grammar_tokenizer=None,
+                 now: Callable[[], float] = time.monotonic):
         self.shapes, self.eos, self.policy = shapes, eos, policy
         # timing only: each verify step accepts a seeded draw from a published profile
         self.simulated = simulated_acceptance.simulator(simulate_acceptance)
@@ -82,7 +87,7 @@ class EngineCore:
             # that requests take back on demand, and the cache never lowers request capacity.
             self.prefix = PrefixCache(self.alloc, num_slots=snapshot_slots, snapshot_pages=0,
                                       snapshot_bytes=snapshot_bytes, every_blocks=every_blocks,
-                                      mtp_kv=self.num_draft_slots > 0)
+                                      mtp_kv=self.num_draft_slots > 0, clock=now)
         # penalties: each lane slot's token history (prompt + output, -1 past it) as the
         # steps take it, and whose it is: (the Request object, tokens written)
         self._history = np.full((shapes.lane_slots, shapes.history_len), -1, np.int32)

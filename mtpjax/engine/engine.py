@@ -88,7 +88,8 @@ class Engine:
             policy=policy, snapshot_slots=slots,
             snapshot_bytes=0 if slots is None else snapshots.snapshot_bytes(cfg, dtype),
             every_blocks=int(snapshot_every_blocks), mask_drafts=mask_drafts,
-            simulate_acceptance=simulate_acceptance, grammar_tokenizer=grammar_tokenizer)
+            simulate_acceptance=simulate_acceptance, grammar_tokenizer=grammar_tokenizer,
+            now=lambda: time.monotonic() if self.clock is None else self.clock.now)
         self.runner = ModelRunner(cfg, params, shapes, pool_pages=self.core.pool_pages,
                                   kernels=kernels, tp=tp, devices=devices, mesh=mesh,
                                   draft_vocab=draft_vocab, snapshot_slots=slots,
