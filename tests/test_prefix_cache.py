@@ -18,6 +18,7 @@
 """
 
 import random
+import time
 
 import numpy as np
 import pytest
@@ -739,3 +740,17 @@ def test_tensor_parallel_snapshots_restore_per_shard():
         pc = e.stats()["prefix_cache"]
         assert pc["hits"] >= 3 and pc["mtp_kv_rewrites"] >= 1, pc
     assert outs[2] == outs[1]
+
+
+def test_prefix_cache_ages_on_the_engine_clock():
+    """An engine timed on a simulated clock ages its prefix entries on that clock (live_s is
+    the predicted device's 10 minutes, not this host's), and on wall time without one."""
+    e = engine(0, True)
+
+    class Clock:
+        now = 1234.5
+    e.clock = Clock()
+    assert e.prefix.clock() == 1234.5
+    e.clock = None
+    t0 = time.monotonic()
+    assert t0 <= e.prefix.clock() <= time.monotonic()
