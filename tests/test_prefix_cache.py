@@ -748,7 +748,7 @@ def test_prefix_cache_ages_on_the_engine_clock():
     e = engine(0, True)
 
     class Clock:
-        now = 1234.5
+        now, idle_s = 1234.5, 0.0
     e.clock = Clock()
     assert e.prefix.clock() == 1234.5
     e.clock = None
