@@ -459,7 +459,7 @@ class Scheduler:
         sequence has the same tokens [0, B) (the key), and B as its own last page boundary, has not prefilled up to B yet (it will insert B there, as its
         head: `prefill_done`). Then seq's prefill would repeat that lane's, token for token;
         waiting one prefill makes seq a hit at B instead (n > 1 siblings share their prompt's
-        prefill this way). Never a deadlock: the lane runs (oldest prefilling lane first) or
+        prefill this way), when that saves seq a prefill chunk. Never a deadlock: the lane runs (oldest prefilling lane first) or
         ends or is preempted, and a pending entry is published or dropped by its step."""
         if self.cache is None:
             return False
@@ -471,7 +471,10 @@ class Scheduler:
         if any(ln is not None and ln.prefilled < B and ln.snapped < B
                and self._last_page(ln) == B and ln.seq[:B] == seq[:B]
                for ln in self.lanes):
-            return True
+            # worth it only when a hit at B saves seq a prefill chunk: else seq prefills
+            # beside the lane (a packed row) instead of after it, and the queue behind it
+            # is not held (prompts sharing [0, B) whose next token differs: chat turns)
+            return self._chunks(len(seq), B) < self._chunks(len(seq), self.cache.longest(seq))
         return self._share_wait(seq)
 
     def _share_wait(self, seq: list[int]) -> bool:
