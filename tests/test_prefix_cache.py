@@ -358,6 +358,42 @@ def test_requests_arriving_together_prefill_a_shared_system_prompt_once(k):
     assert cache.stats.rewrites == (3 if k else 0)
 
 
+@pytest.mark.parametrize("k", [0, 2])
+def test_a_request_waits_for_an_equal_prefix_only_when_that_saves_a_chunk(k):
+    """Two requests that share [0, 44), their last page boundary, and differ after it, with
+    [0, 32) cached: waiting for the first's head at 44 (one step) and prefilling from it
+    (one more) would not bring the second's first token sooner than prefilling from 32 beside
+    it (two chunks: 32-44, the head cut, and 44-46), so it does not wait, and both hit 32.
+    n > 1 siblings (identical prompts) wait for the whole shared prefill (mock model)."""
+    page_size = 4
+    alloc = PageAllocator(80, page_size, 4, 20)
+    cache = PrefixCache(alloc, num_slots=8, snapshot_pages=0, every_blocks=16, mtp_kv=k > 0)
+    m = FrozenGuardMock(alloc, k)
+    rng = random.Random(9)
+    base = [rng.randrange(V) for _ in range(44)]
+    sp = SamplingParams(max_new_tokens=4)
+
+    def run(prompts, first_id):
+        s = Scheduler(alloc, num_draft_slots=k, max_seq_len=72, prefill_chunk=16,
+                      prefix_cache=cache, prefill_rows=2)
+        for i, p in enumerate(prompts):
+            s.add(Request(first_id + i, p, sp, frozenset(), stats=RequestStats.for_depth(k)))
+        while s.has_work():
+            plan = s.schedule()
+            for src, dst in plan.moves:
+                m.move(src, dst)
+            m.step(s, plan)
+        outs = [s.finished[first_id + i] for i in range(len(prompts))]
+        assert all(o.token_ids == expected(p, 4) for o, p in zip(outs, prompts))
+        return [o.stats.cached_tokens for o in outs]
+
+    assert run([base[:32] + [1]], 0) == [0]                           # caches [0, 32)
+    two = [base + [(2 + j) % V for j in range(3)], base + [(5 + j) % V for j in range(3)]]
+    assert run(two, 1) == [32, 32]
+    cache.clear()
+    assert run([base + [7, 8, 9]] * 2, 3) == [0, 44]                  # siblings: wait
+
+
 def _cache(pages=20, slots=2, snap_pages=1):
     a = PageAllocator(pages, 4, 3, 8)
     return a, PrefixCache(a, num_slots=slots, snapshot_pages=snap_pages, every_blocks=2)

@@ -459,7 +459,8 @@ class Scheduler:
         sequence has the same tokens [0, B) (the key), and B as its own last page boundary, has not prefilled up to B yet (it will insert B there, as its
         head: `prefill_done`). Then seq's prefill would repeat that lane's, token for token;
         waiting one prefill makes seq a hit at B instead (n > 1 siblings share their prompt's
-        prefill this way), when that saves seq a prefill chunk. Never a deadlock: the lane runs (oldest prefilling lane first) or
+        prefill this way; a prompt that only shares [0, B) waits when that brings its first
+        token sooner). Never a deadlock: the lane runs (oldest prefilling lane first) or
         ends or is preempted, and a pending entry is published or dropped by its step."""
         if self.cache is None:
             return False
@@ -468,13 +469,19 @@ class Scheduler:
             return False
         if self.cache.pending_at(seq, B):
             return True
-        if any(ln is not None and ln.prefilled < B and ln.snapped < B
-               and self._last_page(ln) == B and ln.seq[:B] == seq[:B]
-               for ln in self.lanes):
-            # worth it only when a hit at B saves seq a prefill chunk: else seq prefills
-            # beside the lane (a packed row) instead of after it, and the queue behind it
-            # is not held (prompts sharing [0, B) whose next token differs: chat turns)
-            return self._chunks(len(seq), B) < self._chunks(len(seq), self.cache.longest(seq))
+        for ln in self.lanes:
+            if (ln is not None and ln.prefilled < B and ln.snapped < B
+                    and self._last_page(ln) == B and ln.seq[:B] == seq[:B]):
+                if ln.seq == seq:            # n > 1 siblings: the whole prefill is shared
+                    return True
+                # another next token (chat turns on one prompt): wait only when seq's first
+                # token comes sooner (the lane's steps to B, then seq's from B), else it
+                # prefills beside the lane and the queue behind it is not held
+                ahead, start = 0, ln.prefilled
+                while start < B:
+                    start, ahead = self._grid_end(len(ln.seq), start), ahead + 1
+                return (ahead + self._chunks(len(seq), B)
+                        < self._chunks(len(seq), self.cache.longest(seq)))
         return self._share_wait(seq)
 
     def _share_wait(self, seq: list[int]) -> bool:
