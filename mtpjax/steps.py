@@ -452,16 +452,12 @@ def keep_last_hidden(cache: Cache, h, chunk: Chunk) -> Cache:
     (engine/snapshots.py `restore`). Rows with no valid token keep the old value."""
     if cache.mtp_h is None:
         return cache
-    n = chunk.n_valid if chunk.packed else chunk.n_valid[None]
+    n = chunk.n_valid if chunk.packed else chunk.n_valid[None]                # [R]
+    lane = chunk.lane if chunk.packed else chunk.lane[None]
     last = jnp.take_along_axis(h, jnp.maximum(n - 1, 0)[:, None, None], axis=1)[:, 0]  # [R, H]
-    if chunk.packed:    # padding rows and empty rows name a slot out of range: dropped
-        lane = jnp.where(n > 0, chunk.lane, cache.mtp_h.shape[0])
-        mtp_h = cache.mtp_h.at[lane].set(last.astype(cache.mtp_h.dtype), mode="drop")
-    else:
-        old = lax.dynamic_slice_in_dim(cache.mtp_h, chunk.lane, 1)
-        row = jnp.where(n[:, None] > 0, last.astype(old.dtype), old)
-        mtp_h = lax.dynamic_update_slice_in_dim(cache.mtp_h, row, chunk.lane, 0)
-    return dataclasses.replace(cache, mtp_h=mtp_h)
+    lane = jnp.where(n > 0, lane, cache.mtp_h.shape[0])    # empty / padding rows: dropped
+    return dataclasses.replace(cache, mtp_h=cache.mtp_h.at[lane].set(
+        last.astype(cache.mtp_h.dtype), mode="drop"))
 
 
 @partial(jax.jit, static_argnames=("cfg", "k", "kernels", "mesh", "fill_mtp_kv"),

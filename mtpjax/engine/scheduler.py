@@ -456,8 +456,8 @@ class Scheduler:
     def _awaits_prefix(self, seq: list[int]) -> bool:
         """Whether seq should wait before admission for the prefix-cache entry at its last
         page boundary B: the entry is pending (its snapshot is being saved), or a lane whose
-        sequence has the same tokens [0, B) (the key), and B as its own last page boundary, has not prefilled up to B yet (it will insert B there, as its
-        head: `prefill_done`). Then seq's prefill would repeat that lane's, token for token;
+        sequence has the same tokens [0, B) (the key), and B as its own last page boundary,
+        has not prefilled up to B yet (it will insert B there, as its head: `prefill_done`). Then seq's prefill would repeat that lane's, token for token;
         waiting one prefill makes seq a hit at B instead (n > 1 siblings share their prompt's
         prefill this way; a prompt that only shares [0, B) waits when that brings its first
         token sooner). Never a deadlock: the lane runs (oldest prefilling lane first) or
@@ -477,9 +477,7 @@ class Scheduler:
                 # another next token (chat turns on one prompt): wait only when seq's first
                 # token comes sooner (the lane's steps to B, then seq's from B), else it
                 # prefills beside the lane and the queue behind it is not held
-                ahead, start = 0, ln.prefilled
-                while start < B:
-                    start, ahead = self._grid_end(len(ln.seq), start), ahead + 1
+                ahead = self._chunks(B + 1, ln.prefilled)   # the lane's steps to B
                 return (ahead + self._chunks(len(seq), B)
                         < self._chunks(len(seq), self.cache.longest(seq)))
         return self._share_wait(seq)
