@@ -457,8 +457,9 @@ class Scheduler:
         """Whether seq should wait before admission for the prefix-cache entry at its last
         page boundary B: the entry is pending (its snapshot is being saved), or a lane whose
         sequence has the same tokens [0, B) (the key), and B as its own last page boundary,
-        has not prefilled up to B yet (it will insert B there, as its head: `prefill_done`). Then seq's prefill would repeat that lane's, token for token;
-        waiting one prefill makes seq a hit at B instead (n > 1 siblings share their prompt's
+        has not prefilled up to B yet (it will insert B there, as its head: `prefill_done`).
+        Then seq's prefill would repeat that lane's, token for token; waiting one prefill
+        makes seq a hit at B instead (n > 1 siblings share their prompt's
         prefill this way; a prompt that only shares [0, B) waits when that brings its first
         token sooner). Never a deadlock: the lane runs (oldest prefilling lane first) or
         ends or is preempted, and a pending entry is published or dropped by its step."""
