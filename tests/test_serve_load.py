@@ -324,7 +324,9 @@ async def agent_loop(client, loop: int, results: list) -> None:
     rf = ({"type": "json_schema", "json_schema": {"name": "answer", "schema": ANSWER,
                                                   "strict": True}} if structured else None)
     how = plan_of(rng)
-    final = Result(loop, 1, body(loop, 1, "auto", temperature, 16 if structured else 6, history,
+    # 48 tokens: room for the whole JSON or tool call (the tiny's take ~25 under the grammar);
+    # at 16 most ran out at "length" and one schedule left no structured reply to check
+    final = Result(loop, 1, body(loop, 1, "auto", temperature, 48 if structured else 6, history,
                                  rf), how["stream"], how["plan"], how["close_after"])
     results.append(final)
     await send(client, final, how["timeout"])
