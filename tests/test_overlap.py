@@ -94,6 +94,58 @@ def test_overlapped_loop_launches_ahead_and_the_serial_one_does_not(runs):
         assert s["free_pages"] == s["total_pages"] and e._flight is None
 
 
+def test_the_depth_policy_learns_only_from_steps_timed_alone():
+    """A step queued behind another has no time of its own that the host can read (XLA:CPU
+    may run the queued program before it wakes the host waiting on the one before: that one
+    then looks long and the queued one free; on a loaded CPU the adaptive policy so rated
+    depth 0 at 0.1 ms and never left it). So the policy's step costs come only from the steps
+    it asks to time alone (`wants_timing`): launched when everything before them has ended,
+    read before anything is launched behind them; the other steps stay overlapped."""
+    from mtpjax.engine.depth import AdaptiveDepth
+    e = mtpjax.Engine.from_checkpoint(
+        CKPT, num_speculative_tokens=3, overlap=True, **ENGINE,
+        speculation_policy=AdaptiveDepth(window=3, explore=1, sample_every=4))
+    runner, policy = e.runner, e.policy
+    flights, samples = [], []
+    launch, collect, observe = runner.launch, runner.collect, policy.observe
+
+    def spy_launch(batch, serial=True):
+        flight = launch(batch, serial)
+        if flight is not None:
+            flights.append(flight)
+        return flight
+
+    def spy_collect(flight):
+        spy_collect.last = flight
+        return collect(flight)
+
+    def spy_observe(view, depth, seconds, accepted, compiled):
+        if not compiled:
+            samples.append((spy_collect.last, depth, seconds))
+        return observe(view, depth, seconds, accepted, compiled)
+
+    runner.launch, runner.collect, policy.observe = spy_launch, spy_collect, spy_observe
+    tok = Tokenizer.from_checkpoint(CKPT)
+    outs = e.generate([tok.encode(t) for t in TEXTS[:3]],
+                      SamplingParams(temperature=0.0, max_new_tokens=80))
+    assert all(o.error is None and len(o.token_ids) == 80 for o in outs)
+    timed = [f for f in flights if f.batch.timed]
+    assert samples and len(timed) < len(flights), (len(timed), len(flights))
+    for flight, depth, seconds in samples:
+        assert flight.batch.timed and flight.batch.depth == depth
+        i = next(j for j, f in enumerate(flights) if f is flight)
+        # everything before it had ended when it launched; its outputs were read before
+        # the next launch
+        assert all(f.tail_seen is not None and f.tail_seen <= flight.launched
+                   for f in flights[:i])
+        assert flight.ready_seen is not None and flight.launched < flight.ready_seen
+        if i + 1 < len(flights):
+            assert flight.ready_seen <= flights[i + 1].launched
+        assert seconds == flight.ready_seen - flight.launched
+    # the steps it does not time still queue behind the one running
+    assert e.timing["overlapped"] > len(flights) - 2 * len(timed), e.timing
+
+
 class _Host:
     """A scheduler with two lanes' worth of pages, for planning without a device."""
 

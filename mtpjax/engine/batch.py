@@ -245,6 +245,11 @@ class Batch:
     # simulated acceptance (timing only, mtpjax/simulated_acceptance.py): each lane accepts
     # that many drafts; None: off (the runner's cached all -1)
     forced_accept: np.ndarray | None = None      # i32[lanes]
+    # time the step alone (a sample for the depth policy): the runner launches it on an idle
+    # device and reads its outputs before anything else is launched. In the overlapped loop
+    # a step queued behind another cannot be timed apart: the host sees the one before end
+    # late (its wake-up may wait for the queued step), so the rest are not policy samples
+    timed: bool = False
 
     @property
     def decodes(self) -> bool:

@@ -219,9 +219,12 @@ class EngineCore:
             real = ([ln.drafts for ln in plan.view.lanes] if plan.view is not None
                     else [plan.depth] * len(lanes))
             forced = self.simulated.forced(plan.depth, lanes, real, nb)
+        wants = getattr(self.policy, "wants_timing", None)
+        timed = bool(wants is not None and plan.view is not None
+                     and wants(plan.view, plan.depth))
         return Batch(plan.depth, nb, plan.moves, plan.restores, chunk, slots, active, join_mask,
                      join_tok, join_pos, table, self._sampling(sched, nb), masks, drafts,
-                     extras, constrained, tuple(r.pos for r in plan.rows), forced)
+                     extras, constrained, tuple(r.pos for r in plan.rows), forced, timed)
 
     def _chunks(self, works, rides: bool) -> ChunkInput | None:
         """The plan's chunks padded to the program's shape (StepShapes.ride): one row each,
@@ -391,8 +394,9 @@ class EngineCore:
         out, n_acc = result.tokens, result.accepted
         observe = getattr(self.policy, "observe", None)
         if observe is not None and plan.view is not None:
-            # a first call compiles: its wall time is no step cost (modelled time is). The
-            # view names the program that ran (Scheduler._cell: the cell its depth was
+            # a first call compiles: its wall time is no step cost (modelled time is), nor is
+            # an overlapped step's that was not timed alone (result.compiled says either).
+            # The view names the program that ran (Scheduler._cell: the cell its depth was
             # chosen in), and result.seconds is that program's time alone (the runner times
             # moves, restores and snapshot saves apart)
             observe(plan.view, plan.depth, result.seconds,

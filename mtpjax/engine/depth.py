@@ -17,7 +17,9 @@ and what it earns depends on the request. So both are measured while the engine 
   position nobody has tried yet borrowing the rate of the position before it.
 - cost(d, bucket, ctx) is the lower quartile of the last `window` step times the engine measured
   (wall seconds from launch to the tokens on the host, the first call of each program excluded
-  because it compiles). Nothing is a device constant: on a GPU the same clock times the
+  because it compiles). In the overlapped loop a step queued behind another has no time of its
+  own the host can read, so the steps `wants_timing` names (filling a window, exploring, and
+  every `sample_every`-th visit of a cell) run alone, on an idle device, read at once. Nothing is a device constant: on a GPU the same clock times the
   GPU's programs. With `Engine(clock=...)` (a cost_model.VirtualClock: the engine runs here
   while time is that of Qwen3.5-27B on an H200) the engine reports each step's modelled
   seconds instead, no call excluded (a price never includes a compile), so the policy
@@ -181,15 +183,18 @@ class AdaptiveDepth:
                                   # clock prices but the engine does not run (a long context
                                   # on the H200 clock, cost_model.VirtualClock): cells follow
                                   # the priced context
+    sample_every: int = 8         # overlapped loop: every sample_every-th visit of a cell
+                                  # (besides filling its window and exploring) is timed alone
 
     def __post_init__(self):
         if self.prior_strength <= 0 or not 0 < self.decay <= 1 or self.window < 1:
             raise ValueError("AdaptiveDepth needs prior_strength > 0, 0 < decay <= 1, "
                              f"window >= 1; got {self}")
         if (self.explore < 0 or self.refresh < 1 or self.hysteresis < 0 or self.min_context < 1
-                or self.context_offset < 0):
+                or self.context_offset < 0 or self.sample_every < 1):
             raise ValueError("AdaptiveDepth needs explore >= 0, refresh >= 1, "
-                             f"hysteresis >= 0, min_context >= 1, context_offset >= 0; "
+                             f"hysteresis >= 0, min_context >= 1, context_offset >= 0, "
+                             f"sample_every >= 1; "
                              f"got {self}")
         self.costs = StepCosts(self.window)
         self.mixed_costs = StepCosts(self.window)   # steps carrying a chunk, by chunk bucket
@@ -307,6 +312,25 @@ class AdaptiveDepth:
         if cand and self.visits[cell] % self.refresh == 0:
             return cand[(self.visits[cell] // self.refresh) % len(cand)]
         return best
+
+    def wants_timing(self, view: StepView, depth: int) -> bool:
+        """Whether the engine should time the step it runs with `view` at `depth` alone
+        (runner.launch: in the overlapped loop only such a step's seconds are its own): while
+        the cell's window at that depth is not full, when the depth is not the cell's best
+        (exploring), and every sample_every-th visit of the cell, so the table follows costs
+        that drift. The price: the host's planning of the next step is not hidden behind a
+        timed one."""
+        if view.chunk > 0:
+            costs, where, best = self.mixed_costs, self._mixed_cell(view), self.last_mixed
+            cell = ("mixed",) + where
+        else:
+            costs, where, best = self.costs, (view.bucket, self._context(view)), self.last
+            cell = where
+        if costs.count(depth, *where) < self.window:
+            return True
+        if min(view.K, view.max_depth) <= 0:      # no choice was made: nothing to learn
+            return False
+        return depth != best or self.visits[cell] % self.sample_every == 0
 
     def observe(self, view: StepView, depth: int, seconds: float, accepted, compiled: bool):
         """What the engine measured for the step it ran with `view`: its depth, seconds on the

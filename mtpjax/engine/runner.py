@@ -106,14 +106,17 @@ class InFlight:
     Times are perf_counter seconds on this host. The step program's own time is
     ready - max(launched, the previous launch's end), where `ready` is the first time its
     outputs were seen ready (probe) or the moment a blocking read returned: an upper bound
-    when the host looked late, exact when the host was waiting for it."""
+    when the host looked late, exact when the host was waiting for it and nothing was queued
+    behind the step (XLA:CPU may run the queued program before it wakes the waiting host: the
+    step before it then looks long and it looks free, so in the overlapped loop only a
+    `timed` record is clean)."""
     batch: Batch
     outputs: tuple | None        # device (tokens, accepted, logprobs) of a decode step
     want: bool                   # a lane asked for log probabilities
     tail: object                 # the launch's last device output (its snapshot save, ...)
     launched: float              # when the step program was launched
     modelled: float              # its price on the clock (0.0 without one)
-    clean: bool                  # no other program of this launch ran before it
+    clean: bool                  # its seconds are its own: serial, timed alone or modelled
     compiled: bool               # its first run (its wall time is no step cost)
     busy_seen: float = 0.0       # the last time the launch's tail was seen still running
     ready_seen: float | None = None   # the first time the step's outputs were seen ready
@@ -328,8 +331,10 @@ class ModelRunner:
         restores, drafts, ONE program, the snapshot save. None when it runs no program.
         serial: the caller reads the outputs before planning more (the moves are then timed
         apart from the step; in the overlapped loop they are not waited for, and the step's
-        time is not clean)."""
+        time is not clean, unless the record is `timed`: then everything before it finishes
+        first and its outputs are read at once, so its seconds are its own)."""
         clocked = self.clock is not None
+        alone = batch.timed and not serial and not clocked
         t_moves = time.perf_counter()
         self.probe()
         self._gap(t_moves)
@@ -345,11 +350,13 @@ class ModelRunner:
                     jnp.int32(slot), snapshots.Rewrite.make(fix),
                     rewrite=self.num_draft_slots > 0, mesh=self.mesh))
         others = bool(batch.moves or batch.restores)
-        if others and serial and not clocked:
+        if others and (serial or alone) and not clocked:
             # each program is timed to completion: dispatch is asynchronous, so a move's or
             # restore's work would otherwise land in the step's seconds (the depth policy's)
             jax.block_until_ready((self.cache, self.state))
             self.timing["moves_s"] += time.perf_counter() - t_moves
+        if alone:
+            self._settle()
         key = batch.key
         if key is None:                       # nothing to run (e.g. every request cancelled)
             if others:
@@ -373,6 +380,10 @@ class ModelRunner:
             tail = self.cache
         compiled = key not in self._programs
         self._programs.add(key)
+        ready_seen = None
+        if alone and outputs is not None:     # read at once: nothing queued behind it yet
+            jax.block_until_ready(outputs[1])
+            ready_seen = time.perf_counter()
         for lane, slot in batch.snapshots:
             # a boundary the prefix cache took: save (prefill work, whichever program
             # carried the chunk; its time is the launch's, after the step's outputs)
@@ -385,8 +396,10 @@ class ModelRunner:
         self.timing["overlapped"] += self._uncollected > 0   # launched behind a running step
         self._uncollected += 1
         flight = InFlight(batch, outputs, want, tail, t0, modelled,
-                          not others or (serial and not clocked), compiled and not clocked,
+                          clocked or serial or alone, compiled and not clocked,
                           clock_end=self._clock_end())
+        if ready_seen is not None:
+            flight.ready_seen = flight.busy_seen = ready_seen
         self._last = flight
         return flight
 
@@ -396,6 +409,19 @@ class ModelRunner:
         self._uncollected, self._last = 0, None
         if self.clock is not None:
             self.clock.wait()
+
+    def _settle(self) -> None:
+        """Wait until everything launched so far has finished (a timed step starts on an idle
+        device); the launch before it ended by now at the latest, which is when the host
+        records it as seen ending (its step's own time and the next one's start read it)."""
+        jax.block_until_ready(_live((self.cache, self.state, self.snaps)))
+        now = time.perf_counter()
+        f = self._last
+        if f is not None:
+            if f.outputs is not None and f.ready_seen is None:
+                f.ready_seen = now
+            if f.tail_seen is None:
+                f.tail_seen = f.busy_seen = now
 
     def _clock_end(self) -> float:
         """With a clock: when the modelled device finishes what is queued so far."""

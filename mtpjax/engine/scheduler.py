@@ -257,7 +257,9 @@ class StepView:
 
 class Policy(Protocol):
     """Chooses each decode step's depth; may also learn from what the step measured
-    (`observe(view, depth, seconds, accepted, compiled)`, called by the engine when present)."""
+    (`observe(view, depth, seconds, accepted, compiled)`, called by the engine when present;
+    `wants_timing(view, depth)`, when present, says which steps the overlapped loop times
+    alone: only those reach observe as step costs)."""
     def __call__(self, view: StepView) -> int: ...
 
 
