@@ -69,7 +69,7 @@ def runs():
 
 def test_overlapped_loop_equals_the_serial_loop(runs):
     out, stop = runs
-    (es, serial), (eo, overlapped) = out[False], out[True]
+    (_, serial), (_, overlapped) = out[False], out[True]
     for a, b in zip(serial, overlapped):
         assert b.finish_reason == a.finish_reason and b.error is None
         assert b.token_ids == a.token_ids
