@@ -310,6 +310,13 @@ def test_steps_delaying_first_tokens_run_shallower():
     assert mix[-40:].count(1) >= 38
     _, mix = _drive_mixed(AdaptiveDepth(), accept, decode, mixed, waiting=16)
     assert mix[-40:].count(0) >= 38
+    # wait_weight prices a waiting request's second at that many decode-lane seconds: at 8,
+    # two requests waiting beside the 8 lanes weigh as much as the 16 above (1 + 8 x 2 / 8 = 3
+    # = 1 + 16 / 8); at 1 they do not
+    _, mix = _drive_mixed(AdaptiveDepth(), accept, decode, mixed, waiting=2)
+    assert mix[-40:].count(1) >= 38
+    _, mix = _drive_mixed(AdaptiveDepth(wait_weight=8.0), accept, decode, mixed, waiting=2)
+    assert mix[-40:].count(0) >= 38
 
 
 def test_useless_head_settles_on_depth_zero():
@@ -362,7 +369,8 @@ def test_per_request_acceptance_separates_lanes():
 
 def test_policy_arguments_are_checked():
     for bad in (dict(prior_strength=0), dict(decay=0), dict(window=0), dict(explore=-1),
-                dict(refresh=0), dict(hysteresis=-0.1)):
+                dict(refresh=0), dict(hysteresis=-0.1), dict(wait_weight=-1.0),
+                dict(sample_every=0)):
         with pytest.raises(ValueError, match="AdaptiveDepth needs"):
             AdaptiveDepth(**bad)
 
