@@ -19,8 +19,9 @@ and what it earns depends on the request. So both are measured while the engine 
   (wall seconds from launch to the tokens on the host, the first call of each program excluded
   because it compiles). In the overlapped loop a step queued behind another has no time of its
   own the host can read, so the steps `wants_timing` names (filling a window, exploring, and
-  every `sample_every`-th visit of a cell) run alone, on an idle device, read at once. Nothing is a device constant: on a GPU the same clock times the
-  GPU's programs. With `Engine(clock=...)` (a cost_model.VirtualClock: the engine runs here
+  every `sample_every`-th visit of a cell) run alone, on an idle device, read at once.
+  Nothing is a device constant: on a GPU the same clock times the GPU's programs. With
+  `Engine(clock=...)` (a cost_model.VirtualClock: the engine runs here
   while time is that of Qwen3.5-27B on an H200) the engine reports each step's modelled
   seconds instead, no call excluded (a price never includes a compile), so the policy
   chooses the depths it would choose on the modelled device, where a depth-1 step costs a
@@ -317,6 +318,14 @@ class AdaptiveDepth:
             return cand[(self.visits[cell] // self.refresh) % len(cand)]
         return best
 
+    def _recorded_in(self, view: StepView) -> tuple[StepCosts, tuple[int, int]]:
+        """The table and cell a step's time goes to (observe), which wants_timing fills: a
+        chunk-carrying step's by (lane bucket, chunk bucket), a decode step's by (lane
+        bucket, context bucket)."""
+        if view.chunk > 0:
+            return self.mixed_costs, self._mixed_cell(view)
+        return self.costs, (view.bucket, self._context(view))
+
     def wants_timing(self, view: StepView, depth: int) -> bool:
         """Whether the engine should time the step it runs with `view` at `depth` alone
         (runner.launch: in the overlapped loop only such a step's seconds are its own): while
@@ -324,12 +333,10 @@ class AdaptiveDepth:
         (exploring), and every sample_every-th visit of the cell, so the table follows costs
         that drift. The price: the host's planning of the next step is not hidden behind a
         timed one."""
-        if view.chunk > 0:
-            costs, where, best = self.mixed_costs, self._mixed_cell(view), self.last_mixed
-            cell = ("mixed",) + where
-        else:
-            costs, where, best = self.costs, (view.bucket, self._context(view)), self.last
-            cell = where
+        costs, where = self._recorded_in(view)
+        mixed = view.chunk > 0
+        cell = ("mixed",) + where if mixed else where
+        best = self.last_mixed if mixed else self.last
         if costs.count(depth, *where) < self.window:
             return True
         if min(view.K, view.max_depth) <= 0:      # no choice was made: nothing to learn
@@ -341,11 +348,9 @@ class AdaptiveDepth:
         engine's clock (wall, or modelled with a VirtualClock), the lanes' accepted drafts
         (in view.lanes order) and whether the call compiled (its seconds are then no step
         cost)."""
-        if not compiled and view.chunk > 0:
-            self.mixed_costs.record(depth, *self._mixed_cell(view), seconds)
-        elif not compiled:
-            self.costs.record(depth, view.bucket, self._context(view),
-                              seconds)
+        if not compiled:
+            costs, where = self._recorded_in(view)
+            costs.record(depth, *where, seconds)
         pool = self._pool(view.K)
         pool.age()
         if depth:
