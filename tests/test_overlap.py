@@ -146,6 +146,47 @@ def test_the_depth_policy_learns_only_from_steps_timed_alone():
     assert e.timing["overlapped"] > len(flights) - 2 * len(timed), e.timing
 
 
+def test_first_tokens_are_read_before_the_next_launch_where_the_host_is_the_device():
+    """On XLA:CPU the device is the host's own cores: a step queued behind the one that gives
+    requests their first tokens holds them, and the host's read of those tokens waited for
+    both (the chat workload's candidate TTFT was one verify step longer overlapped than
+    serial). So a step with joining lanes is committed before the next launch there; the
+    other steps still overlap."""
+    e = mtpjax.Engine.from_checkpoint(CKPT, num_speculative_tokens=3, overlap=True, **ENGINE)
+    assert e.runner.host_is_device
+    events = []
+    launch = e.runner.launch
+
+    def spy_launch(batch, serial=True):
+        flight = launch(batch, serial)
+        events.append(("launch", batch))
+        return flight
+
+    e.runner.launch = spy_launch
+    tok = Tokenizer.from_checkpoint(CKPT)
+    prompts = [tok.encode(t) for t in TEXTS]
+    got = set()
+
+    def on_token(i, ids):
+        if i not in got:
+            got.add(i)
+            events.append(("first", i))
+
+    # more prompts than lanes: later requests join while others decode
+    outs = e.generate(prompts, SamplingParams(temperature=0.0, max_new_tokens=12),
+                      on_token=on_token)
+    assert all(o.error is None for o in outs)
+    joins = [i for i, (kind, b) in enumerate(events)
+             if kind == "launch" and b.join_mask is not None and b.join_mask.any()]
+    assert len(joins) >= 2, events
+    for i in joins:
+        n = int(events[i][1].join_mask.sum())
+        after = events[i + 1:i + 1 + n]
+        assert [kind for kind, _ in after] == ["first"] * n, (i, events[i:i + n + 2])
+    assert got == set(range(len(prompts)))
+    assert e.timing["overlapped"] > 0, e.timing
+
+
 class _Host:
     """A scheduler with two lanes' worth of pages, for planning without a device."""
 

@@ -246,6 +246,13 @@ class Engine:
         sched = self._session()
         if sched.has_work() or self._flight is not None:
             t0 = self.runner.open_host()
+            try:          # first tokens are read before the next launch where that is sooner
+                if self._flight is not None and self.runner.read_before_next(self._flight[1]):
+                    done, self._flight = self._flight, None
+                    self._commit(sched, *done)
+            except BaseException:
+                self.stop()
+                raise
             plan = sched.schedule() if sched.has_work() else None   # raises: session stays
             self.runner.wall_host(time.perf_counter() - t0)
             try:
@@ -332,13 +339,9 @@ class Engine:
     def request_logprobs(self, request_id: int) -> list[TokenLogprob] | None:
         """The TokenLogprobs of a running request's tokens so far, or None (not asked, or not
         running). For streaming (mtpjax/serving/online.py); call from the session's thread."""
-        sched = self._sched
-        if sched is None:
-            return None
-        for ln in sched.lanes:
-            if ln is not None and ln.req.id == request_id:
-                return ln.req.logprobs
-        return None
+        lanes = () if self._sched is None else self._sched.lanes
+        return next((ln.req.logprobs for ln in lanes
+                     if ln is not None and ln.req.id == request_id), None)
 
     def clear_prefix_cache(self) -> None:
         """Drop every cached prefix (pages and snapshots return to the pool)."""
@@ -353,13 +356,8 @@ class Engine:
 
     def warmup_plan(self, depths: Sequence[int] | None = None,
                     lanes: int | None = None) -> list[tuple]:
-        """The programs `warmup(depths, lanes)` would compile, as keys (`stats()["programs"]`):
-        ("decode", depth, lane bucket) for every depth (default 0..K) and lane bucket a run of
-        up to `lanes` (default max_lanes) busy lanes reaches, ("mixed", depth, lane_slots, T)
-        for every ride bucket T and depth up to mixed_max_depth, ("prefill", T) for every
-        chunk bucket, packed prefill's ("mixed", depth, lane_slots, T, rows) and ("prefill",
-        T, rows) when prefill_rows > 1, ("move_lane",) with more than one lane, the
-        snapshot programs with the prefix cache; minus those already run."""
+        """The programs `warmup(depths, lanes)` would compile, as keys (`stats()["programs"]`;
+        which ones: ModelRunner.warmup_plan)."""
         return self.runner.warmup_plan(depths, lanes)
 
     def shape_key(self, key: tuple = ("decode",)) -> tuple:

@@ -190,6 +190,11 @@ class ModelRunner:
         self._excluded = 0.0                 # callers' callback seconds since the last launch
         self._idle_mark = 0.0                # clock: its idle_s when timing last followed it
         self._uncollected = 0                # launches whose outputs were not read yet
+        # XLA:CPU runs a program on the host's own cores: a step queued behind the one the
+        # host reads holds them, and the read wakes only when both have run (RESULTS,
+        # session 8), so an output wanted early is read before the next launch there
+        self.host_is_device = all(d.platform == "cpu" for d in (
+            self.params.embed.devices() if mesh is None else mesh.devices.flat))
 
     # ---------------------------------------------------------------- device state
     def _device_state(self):
@@ -403,6 +408,14 @@ class ModelRunner:
         self._last = flight
         return flight
 
+    def read_before_next(self, batch: Batch) -> bool:
+        """Whether the overlapped loop reads this launch before it launches the next: a
+        step that gives requests their first tokens, where the host is the device (wall
+        time; a clock prices the overlap itself). Behind the next step its tokens would
+        reach the host only after that step too, a whole step's time added to the TTFT."""
+        return (self.host_is_device and self.clock is None and batch.join_mask is not None
+                and bool(batch.join_mask.any()))
+
     def drop_launches(self) -> None:
         """The caller will not collect the launches in flight (a session ended): they still
         run, in order, before anything launched later; their outputs are never read."""
@@ -572,8 +585,13 @@ class ModelRunner:
     # ---------------------------------------------------------------- programs
     def warmup_plan(self, depths: Sequence[int] | None = None,
                     lanes: int | None = None) -> list[tuple]:
-        """The program keys `warmup(depths, lanes)` would run, minus those already run (see
-        Engine.warmup_plan)."""
+        """The program keys `warmup(depths, lanes)` would run (`stats()["programs"]`):
+        ("decode", depth, lane bucket) for every depth (default 0..K) and lane bucket a run of
+        up to `lanes` (default max_lanes) busy lanes reaches, ("mixed", depth, lane_slots, T)
+        for every ride bucket T and depth up to mixed_max_depth, ("prefill", T) for every
+        chunk bucket, packed prefill's ("mixed", depth, lane_slots, T, rows) and ("prefill",
+        T, rows) when prefill_rows > 1, ("move_lane",) with more than one lane, the
+        snapshot programs with the prefix cache; minus those already run."""
         s, k = self.shapes, self.num_draft_slots
         depths = list(range(k + 1) if depths is None else depths)
         for d in depths:
