@@ -225,12 +225,12 @@ def build_programs(cfg: Config, *, lanes: int, max_seq_len: int, K: int, kernels
             (None, WEIGHT, CACHE, OTHER, OTHER, OTHER, OTHER, OTHER),
             Reads(0, 1, 1, B, max_seq_len, 0, **price), dtype, key=("draft", B)))
     progs += _copy_programs(cfg, local, params, cache, state, mesh, snapshot_slots, dtype,
-                            price, scalar, K)
+                            price, scalar, K, kernels)
     return progs
 
 
 def _copy_programs(cfg: Config, local: Config, params, cache, state, mesh, slots: int,
-                   dtype: str, price: dict, scalar, K: int) -> list[Program]:
+                   dtype: str, price: dict, scalar, K: int, kernels: str) -> list[Program]:
     """The engine's copy programs: move_lane (one lane's GDN slot, pending count and LaneState
     row to another slot) and the snapshot save / restore (a lane's recurrent state and conv
     tail to / from a slot of the store; with K > 0 the restore also copies a KV page and may
@@ -253,7 +253,7 @@ def _copy_programs(cfg: Config, local: Config, params, cache, state, mesh, slots
         Program("snapshot_restore", snapshots.restore,
                 (cfg, params, cache, store, scalar(i32), scalar(i32),
                  snapshots.Rewrite(*(scalar(i32) for _ in range(5)))),
-                dict(kw, rewrite=local.has_mtp and K > 0),
+                dict(kw, rewrite=local.has_mtp and K > 0, kernels=kernels),
                 (None, WEIGHT, CACHE, CACHE, OTHER, OTHER, OTHER),
                 Reads(0, 0, 0, 0, 0, 1, **one), dtype, mesh, ("snapshot_restore",)),
     ]

@@ -908,6 +908,15 @@ def _pool_write_traffic(ins: Instr, operands: list[Instr | None]) -> tuple[dict[
     return {i: 0 for i in pools}, sum(a.nbytes for a in outs) + rows
 
 
+def _page_copy_traffic(operands: list[Instr | None]) -> tuple[dict[int, int], int]:
+    """The restore's page copy (pallas_kernels/page_copy.py) reads one page of each pool it
+    takes aliased and writes one page of each: (operand index -> a page's bytes for each
+    pool, the bytes it writes: a page per pool)."""
+    pages = {i: o.nbytes // o.shape[0].dims[1] for i, o in enumerate(operands)
+             if o is not None and len(o.shape) == 1 and len(o.shape[0].dims) == 4}
+    return pages, sum(pages.values())
+
+
 def kernel_traffic(module: Module, param_kinds: Mapping[int, str] | None = None
                    ) -> list[Kernel]:
     """Every kernel a compiled program launches, with the HBM bytes it moves (see
@@ -942,6 +951,10 @@ def kernel_traffic(module: Module, param_kinds: Mapping[int, str] | None = None
                             sizes[i] = b
                     elif "qk_norm_rope_write" in kind:
                         reads, written = _pool_write_traffic(ins, opnds)
+                        for i, b in reads.items():
+                            sizes[i] = b
+                    elif "copy_page" in kind:
+                        reads, written = _page_copy_traffic(opnds)
                         for i, b in reads.items():
                             sizes[i] = b
                 elif "gemm" in target or "cublas" in target:

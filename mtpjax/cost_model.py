@@ -803,11 +803,11 @@ class CostModel:
     def snapshot_restore(self) -> Cost:
         """snapshots.restore: a slot copied into a lane's recurrent state and conv tail; with
         K > 0 also one KV page copied in every KV layer and the MTP's (the copy on write,
-        an identity copy when the hit needs no MTP KV rewrite; as in move_lane, the page is
-        copied out into a temporary, then written: read and written twice; the rewrite's MTP
-        weights, read only then, are left out)."""
+        an identity copy when the hit needs no MTP KV rewrite; one kernel reads the page and
+        writes it, pallas_kernels/page_copy.py; the rewrite's MTP weights, read only then,
+        are left out)."""
         b = {"gdn_state": 2 * self.n_gdn * (self.gdn_state_layer + self._conv_tail())}
-        moved = dict(b, kv_write=4 * self.kv_token * self.page_size * (self.n_full + 1)
+        moved = dict(b, kv_write=2 * self.kv_token * self.page_size * (self.n_full + 1)
                      if self.K > 0 else 0.0)
         return self._finish(moved, b, 0.0, self._kernels(("snapshot_restore",)))
 

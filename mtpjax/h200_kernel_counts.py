@@ -20,6 +20,7 @@ COMMANDS = {
         'python -m experiments aot --kernel_counts --num_speculative_tokens=1 --kernel_lanes=1,8,16 --kernel_prefill=16,64 --programs=decode_k0_b1,decode_k1_b1,decode_k0_b8,decode_k1_b8,decode_k0_b16,decode_k1_b16,prefill_t16,prefill_t64 --out_dir=runs/aot_kc_k1_kern',
         'python -m experiments aot --kernel_counts --num_speculative_tokens=1 --kernel_lanes=1,8 --kernel_prefill=64 --kernel_mixed_depths=0,1 --kernel_mixed_chunks=64 --programs=mixed_k0_t64_b1,mixed_k1_t64_b1,mixed_k0_t64_b8,mixed_k1_t64_b8 --out_dir=runs/aot_kc_k1_mixed',
         'python -m experiments aot --kernel_counts --num_speculative_tokens=1 --kernel_lanes=1,8 --kernel_prefill=64 --programs=snapshot_save,snapshot_restore,move_lane --out_dir=runs/aot_kc_k1_copies',
+        'python -m experiments aot --kernel_counts --num_speculative_tokens=1 --kernel_lanes=1,8 --kernel_prefill=64 --programs=snapshot_restore --out_dir=runs/aot_kc_k1_restore',
     ),
     ('bf16', 4, 16): (
         'python -m experiments aot --kernel_counts --num_speculative_tokens=4 --kernel_lanes=1,32 --kernel_wide_depths=0,4 --kernel_prefill=64,512,2048 --out_dir=runs/aot_kernel_counts',
@@ -28,6 +29,7 @@ COMMANDS = {
         'python -m experiments aot --kernel_counts --num_speculative_tokens=4 --kernel_lanes=1,8,16 --kernel_wide_depths=0,4 --kernel_prefill=64,512,2048 --kernel_mixed_depths=0,4 --kernel_mixed_chunks=64 --programs=prefill_t64,prefill_t512,prefill_t2048,mixed_k0_t64_b1,mixed_k4_t64_b1,mixed_k0_t64_b8,mixed_k4_t64_b8,mixed_k0_t64_b16,mixed_k4_t64_b16 --out_dir=runs/aot_kc_k4_iter',
         'python -m experiments aot --kernel_counts --num_speculative_tokens=4 --kernel_lanes=1 --kernel_prefill=64 --programs=decode_k0_b1,decode_k1_b1,decode_k2_b1,decode_k3_b1,decode_k4_b1 --out_dir=runs/aot_kc_kern2',
         'python -m experiments aot --kernel_counts --num_speculative_tokens=4 --kernel_lanes=1,8 --kernel_prefill=64 --programs=snapshot_save,snapshot_restore,move_lane --out_dir=runs/aot_kc_k4_copies',
+        'python -m experiments aot --kernel_counts --num_speculative_tokens=4 --kernel_lanes=1,8 --kernel_prefill=64 --programs=snapshot_restore --out_dir=runs/aot_kc_k4_restore',
     ),
 }
 
@@ -59,7 +61,7 @@ COUNTS = {
         ('prefill', 16): 1252,
         ('prefill', 64): 1285,
         ('snapshot',): 97,
-        ('snapshot_restore',): 171,
+        ('snapshot_restore',): 105,
     },
     ('bf16', 4, 16): {
         ('decode', 0, 1): 693,
@@ -88,7 +90,7 @@ COUNTS = {
         ('prefill', 512): 1156,
         ('prefill', 2048): 1317,
         ('snapshot',): 97,
-        ('snapshot_restore',): 171,
+        ('snapshot_restore',): 105,
     },
 }
 
@@ -120,7 +122,7 @@ AUDIT = {
         ('prefill', 16): (53170047903, 1024, 1008),
         ('prefill', 64): (57480456219, 1024, 960),
         ('snapshot',): (309875464, 1024, 0),
-        ('snapshot_restore',): (312384631, 1024, 0),
+        ('snapshot_restore',): (310156092, 1024, 0),
     },
     ('bf16', 4, 16): {
         ('decode', 0, 1): (51838925125, 1024, 0),
@@ -149,6 +151,6 @@ AUDIT = {
         ('prefill', 512): (74023071851, 1024, 512),
         ('prefill', 2048): (151890154339, 1024, 0),
         ('snapshot',): (312824584, 1024, 0),
-        ('snapshot_restore',): (312384631, 1024, 0),
+        ('snapshot_restore',): (310156092, 1024, 0),
     },
 }

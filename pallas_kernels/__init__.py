@@ -24,6 +24,7 @@ from pallas_kernels.paged_attention import (
     write_kv,
     write_kv_reference,
 )
+from pallas_kernels.page_copy import copy_page, copy_page_reference
 from pallas_kernels.qk_norm_rope import (
     MAX_TOKENS as QK_MAX_TOKENS,
     fits as qk_norm_rope_fits,

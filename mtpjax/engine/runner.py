@@ -353,7 +353,7 @@ class ModelRunner:
                 ("snapshot_restore",), lambda: snapshots.restore(
                     self.cfg, self.params, self.cache, self.snaps, jnp.int32(lane),
                     jnp.int32(slot), snapshots.Rewrite.make(fix),
-                    rewrite=self.num_draft_slots > 0, mesh=self.mesh))
+                    rewrite=self.num_draft_slots > 0, mesh=self.mesh, kernels=self.kernels))
         others = bool(batch.moves or batch.restores)
         if others and (serial or alone) and not clocked:
             # each program is timed to completion: dispatch is asynchronous, so a move's or
@@ -676,7 +676,8 @@ class ModelRunner:
         elif key == ("snapshot_restore",):
             self.cache, self.snaps = snapshots.restore(
                 self.cfg, self.params, self.cache, self.snaps, jnp.int32(0), jnp.int32(0),
-                snapshots.Rewrite.make(None), rewrite=self.num_draft_slots > 0, mesh=self.mesh)
+                snapshots.Rewrite.make(None), rewrite=self.num_draft_slots > 0, mesh=self.mesh,
+                kernels=self.kernels)
             jax.block_until_ready(self.cache)
         elif key == ("snapshot",):
             self.cache, self.snaps = snapshots.save(self.cache, self.snaps, jnp.int32(0),

@@ -34,6 +34,7 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mtpjax import model
+from pallas_kernels import page_copy
 from mtpjax import tensor_parallel as tp
 from mtpjax.config import FULL, Config
 
@@ -132,15 +133,16 @@ def save(cache: model.Cache, snaps: Snapshots, lane, slot, *, mesh=None):
     return _on_mesh(body, mesh, cache, snaps, lane, slot)
 
 
-@partial(jax.jit, static_argnames=("cfg", "rewrite", "mesh"),
+@partial(jax.jit, static_argnames=("cfg", "rewrite", "mesh", "kernels"),
          donate_argnames=("cache", "snaps"))
 def restore(cfg: Config, params, cache: model.Cache, snaps: Snapshots, lane, slot,
-            fix: Rewrite, *, rewrite: bool = False, mesh=None):
+            fix: Rewrite, *, rewrite: bool = False, mesh=None, kernels: str = "reference"):
     """Write snapshot `slot` into lane's GDN state and conv tail, with nothing pending: the
     lane continues as if it had prefilled the snapshot's prefix itself. rewrite: the engine
     drafts (its prefix entries carry MTP KV); then, with `fix` on (a hit whose token L differs
     from its entry's), also the copy on write of the last cached page and the MTP KV
-    rewrite at L-1 (module docstring)."""
+    rewrite at L-1 (module docstring). kernels: "pallas" / "interpret" copy the page in
+    every KV pool with one kernel (pallas_kernels/page_copy.py), "reference" per pool."""
     def body(cfg, params, cache, snaps, lane, slot, fix):
         gdn = iter(zip(snaps.conv, snaps.state))
         layers = []
@@ -159,7 +161,7 @@ def restore(cfg: Config, params, cache: model.Cache, snaps: Snapshots, lane, slo
         cache = dataclasses.replace(cache, layers=tuple(layers), n_pend=n_pend)
         if rewrite:
             cache = _rewrite_mtp_kv(cfg, params, cache, lax.dynamic_slice_in_dim(
-                snaps.h, slot, 1), fix)
+                snaps.h, slot, 1), fix, kernels)
         return cache, snaps
     if mesh is None:
         return body(cfg, params, cache, snaps, lane, slot, fix)
@@ -168,7 +170,8 @@ def restore(cfg: Config, params, cache: model.Cache, snaps: Snapshots, lane, slo
                       rest_specs=(ss, P(), P(), P()), out_specs=(cs, ss))
 
 
-def _rewrite_mtp_kv(cfg: Config, params, cache: model.Cache, h, fix: Rewrite) -> model.Cache:
+def _rewrite_mtp_kv(cfg: Config, params, cache: model.Cache, h, fix: Rewrite,
+                    kernels: str = "reference") -> model.Cache:
     """Copy page fix.src into fix.dst in every KV layer, then write the MTP KV of the pair
     (h [1, H] = h(L-1), fix.token) at fix.pos in page dst; off, both are identities on page
     0 (rewritten with itself) and the MTP projection is skipped (a branch over the two new
@@ -176,12 +179,14 @@ def _rewrite_mtp_kv(cfg: Config, params, cache: model.Cache, h, fix: Rewrite) ->
     whatever the hit: no new key."""
     on = fix.on > 0
     src, dst = jnp.where(on, fix.src, 0), jnp.where(on, fix.dst, 0)
-
-    def copy(kv):
-        page = lambda a: lax.dynamic_update_slice_in_dim(
-            a, lax.dynamic_slice_in_dim(a, src, 1, axis=1), dst, axis=1)
-        return dataclasses.replace(kv, k=page(kv.k), v=page(kv.v))
-    cache = model.map_kv(cache, copy)
+    pools = []                           # every KV layer's K and V, in map_kv's order
+    model.map_kv(cache, lambda kv: pools.extend((kv.k, kv.v)) or kv)
+    if kernels == "reference":
+        pools = iter(page_copy.copy_page_reference(pools, src, dst))
+    else:
+        pools = iter(page_copy.copy_page(pools, src, dst, interpret=kernels == "interpret"))
+    cache = model.map_kv(cache, lambda kv: dataclasses.replace(kv, k=next(pools),
+                                                               v=next(pools)))
     seg = model.Segment(fix.pos[None], jnp.ones((1,), jnp.int32))
     kv = cache.mtp
     shape = (1, 1, kv.k.shape[0], kv.k.shape[3])
