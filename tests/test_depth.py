@@ -306,15 +306,18 @@ def test_steps_delaying_first_tokens_run_shallower():
     accept = [0.9, 0.2, 0.1]
     decode = lambda d: 1.0 + 0.3 * d
     mixed = lambda d: 10.0 + 0.4 * d
-    _, mix = _drive_mixed(AdaptiveDepth(), accept, decode, mixed)
+    one = lambda: AdaptiveDepth(wait_weight=1.0)
+    _, mix = _drive_mixed(one(), accept, decode, mixed)
     assert mix[-40:].count(1) >= 38
-    _, mix = _drive_mixed(AdaptiveDepth(), accept, decode, mixed, waiting=16)
+    _, mix = _drive_mixed(one(), accept, decode, mixed, waiting=16)
     assert mix[-40:].count(0) >= 38
     # wait_weight prices a waiting request's second at that many decode-lane seconds: at 8,
     # two requests waiting beside the 8 lanes weigh as much as the 16 above (1 + 8 x 2 / 8 = 3
-    # = 1 + 16 / 8); at 1 they do not
-    _, mix = _drive_mixed(AdaptiveDepth(), accept, decode, mixed, waiting=2)
+    # = 1 + 16 / 8); at 1 they do not; the default (4) weighs them 2x, 9.4 tokens' worth
+    _, mix = _drive_mixed(one(), accept, decode, mixed, waiting=2)
     assert mix[-40:].count(1) >= 38
+    _, mix = _drive_mixed(AdaptiveDepth(), accept, decode, mixed, waiting=2)
+    assert mix[-40:].count(0) >= 38
     _, mix = _drive_mixed(AdaptiveDepth(wait_weight=8.0), accept, decode, mixed, waiting=2)
     assert mix[-40:].count(0) >= 38
 

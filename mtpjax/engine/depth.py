@@ -40,17 +40,18 @@ rides in the decode step) is priced apart, per (lane bucket, chunk bucket): its 
 the same at every depth, so it is chosen by what a deeper step adds, not by its tokens per
 second, which the chunk's fixed cost would dilute in favour of depth:
 
-  depth = argmax_d tokens(d) - r * (1 + W / L) * mixed_cost(d),
+  depth = argmax_d tokens(d) - r * (1 + w W / L) * mixed_cost(d),
           r = the best decode-step rate of the view, L its decoding lanes,
           W the requests in lanes still awaiting their first token (view.waiting)
 
-(r: what a second spent here would have earned in a decode step; W is multiplied by
-`wait_weight`, 1 by default, for a deployment that values first tokens above throughput: on
-the H200 clock the chat workload's turns got their first tokens 4-5 ms (6%) sooner at 16,
-where mixed steps with a request waiting run at depth 0). A request awaiting its
+(r: what a second spent here would have earned in a decode step; w =
+`wait_weight`, 4 by default. On the H200 clock, host time off, one judge run each, weights
+1 / 4 / 16 gave solo 2.343 / 2.355 / 2.369, team 1.509 / 1.528 / 1.513, busy 1.287 / 1.299 /
+1.250 and chat first tokens 78-85 / 75-80 / 73-79 ms a turn (stock 71-76): 4 costs no
+workload throughput, 16 costs busy 3%; RESULTS, session 8). A request awaiting its
 first token (its chunks ride here, or its last token joins) earns nothing from the step's
-drafts but waits as long as the step runs: each second of its wait is priced as a decoding
-lane's second (r / L), so a step that delays first tokens runs shallower than one that does
+drafts but waits as long as the step runs: each second of its wait is priced as w decoding
+lanes' seconds (w r / L), so a step that delays first tokens runs shallower than one that does
 not, by as much as depth costs on the device (little on the H200, where the weights dominate
 the step). On this CPU a step of 16
 lane slots at depth 2 with a 64-token chunk cost ~2.4x the 8-lane decode step, so mixed
@@ -187,7 +188,7 @@ class AdaptiveDepth:
                                   # clock prices but the engine does not run (a long context
                                   # on the H200 clock, cost_model.VirtualClock): cells follow
                                   # the priced context
-    wait_weight: float = 1.0      # a waiting request's second, in decode-lane seconds
+    wait_weight: float = 4.0      # a waiting request's second, in decode-lane seconds
     sample_every: int = 8         # overlapped loop: every sample_every-th visit of a cell
                                   # (besides filling its window and exploring) is timed alone
 
@@ -254,9 +255,9 @@ class AdaptiveDepth:
         return view.bucket, context_bucket(view.chunk, 16)
 
     def mixed_values(self, view: StepView) -> list[float | None] | None:
-        """For a step carrying a chunk: tokens(d) - r * (1 + W / L) * mixed_cost(d) at each
+        """For a step carrying a chunk: tokens(d) - r * (1 + w W / L) * mixed_cost(d) at each
         depth (None where no cost is known), r the best decode rate of the view, L its lanes,
-        W the requests awaiting their first token; None when r is unknown."""
+        W the requests awaiting their first token, w wait_weight; None when r is unknown."""
         rates = [r for r in self.throughput(view) if r is not None]
         if not rates:
             return None
