@@ -245,7 +245,6 @@ class Engine:
         plans and launches step N+1, then reads step N's tokens while the device runs N+1."""
         sched = self._session()
         if sched.has_work() or self._flight is not None:
-            t0 = self.runner.open_host()
             try:          # first tokens are read before the next launch where that is sooner
                 if self._flight is not None and self.runner.read_before_next(self._flight[1]):
                     done, self._flight = self._flight, None
@@ -253,6 +252,7 @@ class Engine:
             except BaseException:
                 self.stop()
                 raise
+            t0 = self.runner.open_host()      # (after the wait above: not host work)
             plan = sched.schedule() if sched.has_work() else None   # raises: session stays
             self.runner.wall_host(time.perf_counter() - t0)
             try:
