@@ -866,6 +866,12 @@ def _kernel_name(ins: Instr) -> str:
     return m.group(1) if m else ins.op_name.rsplit("/", 1)[-1]
 
 
+def _pool_operands(operands: list[Instr | None]) -> dict[int, Instr]:
+    """The operands shaped as a KV pool, [NKV, num_pages, page_size, HD], by index."""
+    return {i: o for i, o in enumerate(operands)
+            if o is not None and len(o.shape) == 1 and len(o.shape[0].dims) == 4}
+
+
 def _paged_pool_read(ins: Instr, operands: list[Instr | None]) -> dict[int, int]:
     """A paged-attention kernel reads the pool pages its page table addresses, not the
     whole pool: for each [NKV, num_pages, page_size, HD] operand, min(pool, table entries x
@@ -876,9 +882,7 @@ def _paged_pool_read(ins: Instr, operands: list[Instr | None]) -> dict[int, int]
         return {}
     entries = table.shape[0].dims[0] * table.shape[0].dims[1]
     out = {}
-    for i, o in enumerate(operands):
-        if o is None or len(o.shape) != 1 or len(o.shape[0].dims) != 4:
-            continue
+    for i, o in _pool_operands(operands).items():
         nkv, pages, ps, hd = o.shape[0].dims
         page_bytes = o.nbytes // pages
         if pages > 1 and ps > 1:
@@ -891,8 +895,7 @@ def _pool_write_traffic(ins: Instr, operands: list[Instr | None]) -> tuple[dict[
     V row into the pools it takes aliased (in place) and reads nothing of them: (operand
     index -> 0 for each pool, the bytes it writes: its non-pool outputs plus B x T x NKV
     rows of K and of V, with B, T from the i32 page table and the [B, T, C] projection)."""
-    pools = {i: o for i, o in enumerate(operands) if o is not None and len(o.shape) == 1
-             and len(o.shape[0].dims) == 4}
+    pools = _pool_operands(operands)
     qkv = next((o for o in operands if o is not None and len(o.shape) == 1
                 and len(o.shape[0].dims) == 3 and o.shape[0].dtype != "s32"), None)
     if len(pools) != 2 or qkv is None:
@@ -912,8 +915,7 @@ def _page_copy_traffic(operands: list[Instr | None]) -> tuple[dict[int, int], in
     """The restore's page copy (pallas_kernels/page_copy.py) reads one page of each pool it
     takes aliased and writes one page of each: (operand index -> a page's bytes for each
     pool, the bytes it writes: a page per pool)."""
-    pages = {i: o.nbytes // o.shape[0].dims[1] for i, o in enumerate(operands)
-             if o is not None and len(o.shape) == 1 and len(o.shape[0].dims) == 4}
+    pages = {i: o.nbytes // o.shape[0].dims[1] for i, o in _pool_operands(operands).items()}
     return pages, sum(pages.values())
 
 

@@ -20,7 +20,6 @@ COMMANDS = {
         'python -m experiments aot --kernel_counts --num_speculative_tokens=1 --kernel_lanes=1,8,16 --kernel_prefill=16,64 --programs=decode_k0_b1,decode_k1_b1,decode_k0_b8,decode_k1_b8,decode_k0_b16,decode_k1_b16,prefill_t16,prefill_t64 --out_dir=runs/aot_kc_k1_kern',
         'python -m experiments aot --kernel_counts --num_speculative_tokens=1 --kernel_lanes=1,8 --kernel_prefill=64 --kernel_mixed_depths=0,1 --kernel_mixed_chunks=64 --programs=mixed_k0_t64_b1,mixed_k1_t64_b1,mixed_k0_t64_b8,mixed_k1_t64_b8 --out_dir=runs/aot_kc_k1_mixed',
         'python -m experiments aot --kernel_counts --num_speculative_tokens=1 --kernel_lanes=1,8 --kernel_prefill=64 --programs=snapshot_save,snapshot_restore,move_lane --out_dir=runs/aot_kc_k1_copies',
-        'python -m experiments aot --kernel_counts --num_speculative_tokens=1 --kernel_lanes=1,8 --kernel_prefill=64 --programs=snapshot_restore --out_dir=runs/aot_kc_k1_restore',
     ),
     ('bf16', 4, 16): (
         'python -m experiments aot --kernel_counts --num_speculative_tokens=4 --kernel_lanes=1,32 --kernel_wide_depths=0,4 --kernel_prefill=64,512,2048 --out_dir=runs/aot_kernel_counts',
@@ -29,7 +28,6 @@ COMMANDS = {
         'python -m experiments aot --kernel_counts --num_speculative_tokens=4 --kernel_lanes=1,8,16 --kernel_wide_depths=0,4 --kernel_prefill=64,512,2048 --kernel_mixed_depths=0,4 --kernel_mixed_chunks=64 --programs=prefill_t64,prefill_t512,prefill_t2048,mixed_k0_t64_b1,mixed_k4_t64_b1,mixed_k0_t64_b8,mixed_k4_t64_b8,mixed_k0_t64_b16,mixed_k4_t64_b16 --out_dir=runs/aot_kc_k4_iter',
         'python -m experiments aot --kernel_counts --num_speculative_tokens=4 --kernel_lanes=1 --kernel_prefill=64 --programs=decode_k0_b1,decode_k1_b1,decode_k2_b1,decode_k3_b1,decode_k4_b1 --out_dir=runs/aot_kc_kern2',
         'python -m experiments aot --kernel_counts --num_speculative_tokens=4 --kernel_lanes=1,8 --kernel_prefill=64 --programs=snapshot_save,snapshot_restore,move_lane --out_dir=runs/aot_kc_k4_copies',
-        'python -m experiments aot --kernel_counts --num_speculative_tokens=4 --kernel_lanes=1,8 --kernel_prefill=64 --programs=snapshot_restore --out_dir=runs/aot_kc_k4_restore',
     ),
 }
 

@@ -34,9 +34,9 @@ from jax import lax
 from jax.sharding import PartitionSpec as P
 
 from mtpjax import model
-from pallas_kernels import page_copy
 from mtpjax import tensor_parallel as tp
 from mtpjax.config import FULL, Config
+from pallas_kernels import page_copy
 
 
 @partial(jax.tree_util.register_dataclass, data_fields=["conv", "state", "h"], meta_fields=[])
